@@ -1,0 +1,442 @@
+"""The loss contract: every choice that changes the numbers, validated once, hashed into a fingerprint.
+
+A contract is frozen and validated on construction. Two ranks of one job build equal contracts up to their
+rank indices; `fingerprint()` hashes everything else, so ranks (and runs, and processes) can prove they
+agree before any float is exchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AdvantageStd",
+    "DeterminismScope",
+    "GRPOLossContract",
+    "LogprobContract",
+    "LossContractError",
+    "ShardingSpec",
+    "TokenNormalizer",
+]
+
+# Bumped whenever the arithmetic behind a fingerprint changes, so old goldens stop matching loudly.
+MATH_VERSION = "grpo-core-math-1"
+DEFAULT_VOCAB_TILE = 128
+
+
+class LossContractError(ValueError):
+    """A contract, a tensor or a process layout does not satisfy the loss contract."""
+
+
+class TokenNormalizer(str, enum.Enum):
+    GLOBAL_ACTIVE_TOKENS = "global_active_tokens"
+    PER_SEQUENCE_THEN_MEAN = "per_sequence_then_mean"
+    FIXED_CONSTANT = "fixed_constant"
+
+
+class AdvantageStd(str, enum.Enum):
+    POPULATION = "population"
+    UNBIASED = "unbiased"
+    NONE = "none"
+
+
+class DeterminismScope(str, enum.Enum):
+    # Same bits for the same inputs, layout and build; nothing promised across layouts.
+    RUN_TO_RUN = "run_to_run"
+    # Same bits at every TP x DP layout of one build and device type (fixed vocab tiles, fixed trees).
+    TOPOLOGY_INVARIANT = "topology_invariant"
+
+
+def check_enum(cls: type[enum.Enum], name: str, value: Any) -> enum.Enum:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise LossContractError(f"{name}: expected one of {allowed}, got {value!r}") from None
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LossContractError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise LossContractError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_float(name: str, value: Any, *, minimum: float, maximum: float = math.inf, open_max: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LossContractError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum or value > maximum or (open_max and value == maximum):
+        upper = f"< {maximum}" if open_max else f"<= {maximum}"
+        raise LossContractError(f"{name}: expected a finite float >= {minimum} and {upper}, got {value!r}")
+    return value
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _shard_bounds(name: str, bounds: Any, world_size: int) -> tuple[tuple[int, int], ...]:
+    """Normalizes `[(lo, hi), ...]` per rank and checks the shards are contiguous, in rank order, from 0."""
+    try:
+        pairs = tuple((int(lo), int(hi)) for lo, hi in bounds)
+        if any(isinstance(v, bool) or int(v) != v for pair in bounds for v in pair):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise LossContractError(f"{name}: expected one (lo, hi) int pair per rank, got {bounds!r}") from None
+    if len(pairs) != world_size:
+        raise LossContractError(f"{name}: expected {world_size} (lo, hi) pairs (one per rank), got {len(pairs)}")
+    expected_lo = 0
+    for rank, (lo, hi) in enumerate(pairs):
+        if lo != expected_lo:
+            kind = "a gap" if lo > expected_lo else "an overlap"
+            raise LossContractError(
+                f"{name}: shards must be contiguous and in rank order; rank {rank} starts at {lo} but the "
+                f"previous shard ends at {expected_lo} ({kind}); got {pairs}"
+            )
+        if hi <= lo:
+            raise LossContractError(f"{name}: rank {rank} has an empty or reversed shard ({lo}, {hi}); got {pairs}")
+        expected_lo = hi
+    return pairs
+
+
+def _even_bounds(total_units: int, parts: int, unit: int, total: int) -> tuple[tuple[int, int], ...]:
+    """Splits `total_units` units of width `unit` over `parts` ranks as evenly as possible (last clipped)."""
+    cuts = [min(total, (total_units * r // parts) * unit) for r in range(parts + 1)]
+    return tuple(zip(cuts[:-1], cuts[1:]))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardingSpec:
+    """Where this rank sits in the TP x DP (x CP) layout and which vocab / sequence slice it owns."""
+
+    vocab_shard_bounds: tuple[tuple[int, int], ...]
+    sequence_shard_bounds: tuple[tuple[int, int], ...]
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    dp_rank: int = 0
+    dp_world_size: int = 1
+    cp_rank: int = 0
+    cp_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("tp", "dp", "cp"):
+            world = check_int(f"sharding.{axis}_world_size", getattr(self, f"{axis}_world_size"), minimum=1)
+            rank = check_int(f"sharding.{axis}_rank", getattr(self, f"{axis}_rank"), minimum=0)
+            if rank >= world:
+                raise LossContractError(f"sharding.{axis}_rank: expected < {axis}_world_size={world}, got {rank}")
+        if self.cp_world_size != 1:
+            raise LossContractError(
+                f"sharding.cp_world_size: context parallelism is not supported (expected 1, got "
+                f"{self.cp_world_size}); gather the sequence dimension before the loss"
+            )
+        _set(self, "vocab_shard_bounds", _shard_bounds("sharding.vocab_shard_bounds", self.vocab_shard_bounds,
+                                                       self.tp_world_size))
+        _set(self, "sequence_shard_bounds", _shard_bounds("sharding.sequence_shard_bounds",
+                                                          self.sequence_shard_bounds, self.dp_world_size))
+
+    @classmethod
+    def uniform(cls, *, vocab_size: int, num_sequences: int, tp_world_size: int = 1, dp_world_size: int = 1,
+                tp_rank: int = 0, dp_rank: int = 0, vocab_tile: int = DEFAULT_VOCAB_TILE) -> ShardingSpec:
+        """Even shards: whole vocab tiles per TP rank, whole sequences per DP rank."""
+        check_int("vocab_size", vocab_size, minimum=1)
+        check_int("num_sequences", num_sequences, minimum=1)
+        check_int("vocab_tile", vocab_tile, minimum=1)
+        num_tiles = -(-vocab_size // vocab_tile)
+        if check_int("tp_world_size", tp_world_size, minimum=1) > num_tiles:
+            raise LossContractError(f"tp_world_size: expected <= {num_tiles} (vocab_size={vocab_size} holds "
+                                    f"{num_tiles} tiles of {vocab_tile}), got {tp_world_size}")
+        if check_int("dp_world_size", dp_world_size, minimum=1) > num_sequences:
+            raise LossContractError(f"dp_world_size: expected <= num_sequences={num_sequences}, got {dp_world_size}")
+        return cls(
+            vocab_shard_bounds=_even_bounds(num_tiles, tp_world_size, vocab_tile, vocab_size),
+            sequence_shard_bounds=_even_bounds(num_sequences, dp_world_size, 1, num_sequences),
+            tp_rank=tp_rank, tp_world_size=tp_world_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+        )
+
+    @property
+    def vocab_bounds(self) -> tuple[int, int]:
+        return self.vocab_shard_bounds[self.tp_rank]
+
+    @property
+    def sequence_bounds(self) -> tuple[int, int]:
+        return self.sequence_shard_bounds[self.dp_rank]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogprobContract:
+    """The vocab-parallel log-prob computation: tiles of `tile_width` columns, sharded by `vocab_shard_bounds`."""
+
+    vocab_size: int
+    tile_width: int = DEFAULT_VOCAB_TILE
+    vocab_shard_bounds: tuple[tuple[int, int], ...] | None = None  # None: one shard
+    tp_rank: int = 0
+    num_tokens: int
+    determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
+
+    def __post_init__(self) -> None:
+        check_int("logprob.vocab_size", self.vocab_size, minimum=1)
+        width = check_int("logprob.tile_width", self.tile_width, minimum=1)
+        if width & (width - 1):
+            raise LossContractError(f"logprob.tile_width: expected a power of two, got {width}")
+        check_int("logprob.num_tokens", self.num_tokens, minimum=0)
+        bounds = self.vocab_shard_bounds or ((0, self.vocab_size),)
+        bounds = _shard_bounds("logprob.vocab_shard_bounds", bounds, len(bounds))
+        if bounds[-1][1] != self.vocab_size:
+            raise LossContractError(f"logprob.vocab_shard_bounds: shards must cover [0, vocab_size={self.vocab_size}),"
+                                    f" got {bounds}")
+        misaligned = [lo for lo, _ in bounds if lo % width]
+        if misaligned:
+            raise LossContractError(f"logprob.vocab_shard_bounds: every shard must start on a tile boundary "
+                                    f"(multiple of tile_width={width}); {misaligned} do not, in {bounds}")
+        _set(self, "vocab_shard_bounds", bounds)
+        if not 0 <= check_int("logprob.tp_rank", self.tp_rank, minimum=0) < len(bounds):
+            raise LossContractError(f"logprob.tp_rank: expected < {len(bounds)} shards, got {self.tp_rank}")
+        _set(self, "determinism_scope", check_enum(DeterminismScope, "logprob.determinism_scope",
+                                              self.determinism_scope))
+
+    @property
+    def num_tiles(self) -> int:
+        return -(-self.vocab_size // self.tile_width)
+
+    @property
+    def local_bounds(self) -> tuple[int, int]:
+        return self.vocab_shard_bounds[self.tp_rank]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GRPOLossContract:
+    """Everything that determines the GRPO loss numbers of one job. Keyword-only, frozen, validated."""
+
+    num_sequences: int
+    padded_seq_len: int
+    vocab_size: int
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # None: symmetric, equal to clip_eps
+    beta: float = 0.04
+    samples_per_prompt: int | None = None
+    group_boundaries: tuple[int, ...] | None = None
+    normalizer: TokenNormalizer = TokenNormalizer.GLOBAL_ACTIVE_TOKENS
+    normalizer_constant: float | None = None
+    advantage_std: AdvantageStd = AdvantageStd.POPULATION
+    sharding: ShardingSpec | None = None  # None: a single process
+    determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
+    vocab_tile: int = DEFAULT_VOCAB_TILE
+    logprob: LogprobContract | None = None  # None: derived from the fields above (see logprob_contract)
+
+    def __post_init__(self) -> None:
+        check_int("num_sequences", self.num_sequences, minimum=1)
+        check_int("padded_seq_len", self.padded_seq_len, minimum=1)
+        check_int("vocab_size", self.vocab_size, minimum=1)
+        _set(self, "clip_eps", check_float("clip_eps", self.clip_eps, minimum=0.0, maximum=1.0, open_max=True))
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        _set(self, "clip_eps_high", check_float("clip_eps_high", high, minimum=0.0))
+        _set(self, "beta", check_float("beta", self.beta, minimum=0.0))
+        _set(self, "normalizer", check_enum(TokenNormalizer, "normalizer", self.normalizer))
+        _set(self, "advantage_std", check_enum(AdvantageStd, "advantage_std", self.advantage_std))
+        _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
+        groups = check_groups(self.num_sequences, self.samples_per_prompt, self.group_boundaries, self.advantage_std)
+        if self.group_boundaries is not None:
+            _set(self, "group_boundaries", groups)
+        _set(self, "normalizer_constant", check_normalizer_constant(self.normalizer, self.normalizer_constant))
+        check_int("vocab_tile", self.vocab_tile, minimum=1)
+
+        sharding = self.sharding
+        if sharding is None:
+            sharding = ShardingSpec(vocab_shard_bounds=((0, self.vocab_size),),
+                                    sequence_shard_bounds=((0, self.num_sequences),))
+        elif not isinstance(sharding, ShardingSpec):
+            raise LossContractError(f"sharding: expected a ShardingSpec, got {type(sharding).__name__}")
+        for name, bounds, total in (("vocab_shard_bounds", sharding.vocab_shard_bounds, self.vocab_size),
+                                    ("sequence_shard_bounds", sharding.sequence_shard_bounds, self.num_sequences)):
+            if bounds[-1][1] != total:
+                raise LossContractError(f"sharding.{name}: shards must cover [0, {total}) exactly, but they end at "
+                                        f"{bounds[-1][1]}: {bounds}")
+        _set(self, "sharding", sharding)
+
+        derived = self._derived_logprob()  # validates the tile width against the vocab shards
+        if self.logprob is not None:
+            if not isinstance(self.logprob, LogprobContract):
+                raise LossContractError(f"logprob: expected a LogprobContract, got {type(self.logprob).__name__}")
+            for field in dataclasses.fields(LogprobContract):
+                mine, want = getattr(self.logprob, field.name), getattr(derived, field.name)
+                if mine != want:
+                    raise LossContractError(
+                        f"logprob.{field.name}: the nested logprob contract disagrees with the loss contract "
+                        f"(expected {want!r} from this rank's sharding and fields, got {mine!r})"
+                    )
+
+    def _derived_logprob(self) -> LogprobContract:
+        lo, hi = self.sharding.sequence_bounds
+        return LogprobContract(vocab_size=self.vocab_size, tile_width=self.vocab_tile,
+                               vocab_shard_bounds=self.sharding.vocab_shard_bounds, tp_rank=self.sharding.tp_rank,
+                               num_tokens=(hi - lo) * self.padded_seq_len, determinism_scope=self.determinism_scope)
+
+    @property
+    def logprob_contract(self) -> LogprobContract:
+        """The nested logprob contract: the one given, checked against this contract, or the derived one."""
+        return self.logprob if self.logprob is not None else self._derived_logprob()
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """CSR group boundaries, whichever way the groups were declared."""
+        if self.group_boundaries is not None:
+            return self.group_boundaries
+        return tuple(range(0, self.num_sequences + 1, self.samples_per_prompt))
+
+    def numeric_fields(self) -> dict[str, Any]:
+        """The fields that change the numbers, rank indices left out, floats as exact hex strings."""
+        s = self.sharding
+        return {
+            "math_version": MATH_VERSION,
+            "num_sequences": self.num_sequences,
+            "padded_seq_len": self.padded_seq_len,
+            "vocab_size": self.vocab_size,
+            "clip_eps": self.clip_eps.hex(),
+            "clip_eps_high": self.clip_eps_high.hex(),
+            "beta": self.beta.hex(),
+            "group_boundaries": list(self.groups),
+            "normalizer": self.normalizer.value,
+            "normalizer_constant": None if self.normalizer_constant is None else self.normalizer_constant.hex(),
+            "advantage_std": self.advantage_std.value,
+            "determinism_scope": self.determinism_scope.value,
+            "vocab_tile": self.vocab_tile,
+            "tp_world_size": s.tp_world_size,
+            "dp_world_size": s.dp_world_size,
+            "cp_world_size": s.cp_world_size,
+            "vocab_shard_bounds": [list(b) for b in s.vocab_shard_bounds],
+            "sequence_shard_bounds": [list(b) for b in s.sequence_shard_bounds],
+        }
+
+    def fingerprint(self) -> str:
+        """A stable hex digest of `numeric_fields()`: equal on every rank of one job, across processes and runs."""
+        blob = json.dumps(self.numeric_fields(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def check_groups(num_sequences: int, samples_per_prompt: Any, group_boundaries: Any,
+                 advantage_std: AdvantageStd | str) -> tuple[int, ...]:
+    """Validates exactly one group spec and returns CSR boundaries (shared by the contract and the ops)."""
+    if (samples_per_prompt is None) == (group_boundaries is None):
+        given = "both" if samples_per_prompt is not None else "neither"
+        raise LossContractError(f"samples_per_prompt / group_boundaries: expected exactly one of them, got {given}")
+    if samples_per_prompt is not None:
+        size = check_int("samples_per_prompt", samples_per_prompt, minimum=1)
+        if num_sequences % size:
+            raise LossContractError(f"samples_per_prompt: expected a divisor of the number of sequences "
+                                    f"{num_sequences}, got {size}")
+        bounds = tuple(range(0, num_sequences + 1, size))
+    else:
+        try:
+            bounds = tuple(group_boundaries.tolist() if hasattr(group_boundaries, "tolist") else group_boundaries)
+        except TypeError:
+            raise LossContractError(f"group_boundaries: expected a sequence of ints, got {group_boundaries!r}") from None
+        if any(isinstance(b, bool) or not isinstance(b, int) for b in bounds):
+            raise LossContractError(f"group_boundaries: expected ints, got {bounds!r}")
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_sequences:
+            raise LossContractError(f"group_boundaries: expected CSR offsets starting at 0 and ending at the number "
+                                    f"of sequences {num_sequences}, got {bounds}")
+        if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+            raise LossContractError(f"group_boundaries: expected strictly increasing offsets, got {bounds}")
+    std = check_enum(AdvantageStd, "advantage_std", advantage_std)
+    if std is not AdvantageStd.NONE:
+        singles = [g for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b - a == 1]
+        if singles:
+            raise LossContractError(f"group_boundaries: groups {singles[:8]} hold a single sequence, whose std is "
+                                    f"undefined under advantage_std={std.value!r}; use advantage_std='none' or "
+                                    f"larger groups")
+    return bounds
+
+
+def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> float | None:
+    if normalizer is TokenNormalizer.FIXED_CONSTANT:
+        if constant is None:
+            raise LossContractError("normalizer_constant: expected a positive float with normalizer='fixed_constant', "
+                                    "got None")
+        value = check_float("normalizer_constant", constant, minimum=0.0)
+        if value == 0.0:
+            raise LossContractError("normalizer_constant: expected a positive float, got 0.0")
+        return value
+    if constant is not None:
+        raise LossContractError(f"normalizer_constant: only used with normalizer='fixed_constant', got {constant!r} "
+                                f"with normalizer={normalizer.value!r}")
+    return None
+
+
+_LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _shape(name: str, t: Any, expected: tuple[int, ...], what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise LossContractError(f"{name}: expected a tensor {what}, got {type(t).__name__}")
+    if tuple(t.shape) != expected:
+        raise LossContractError(f"{name}: expected shape {what} = {list(expected)}, got {list(t.shape)}")
+
+
+def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps: Any, rewards: Any,
+                 completion_mask: Any, *, beta: float, vocab_size: int | None = None,
+                 num_rewards: int | None = None) -> torch.Tensor:
+    """Checks the loss inputs against each other and returns the completion mask as bool `[B, T]`.
+
+    `policy_logits` is `[B, T, V_local]`; `vocab_size` is the global vocabulary that `action_ids` index
+    (default: `V_local`). `num_rewards` defaults to `B`; `rewards=None` skips them. Ids are checked at active
+    tokens only: masked positions may hold padding ids.
+    """
+    if not isinstance(policy_logits, torch.Tensor) or policy_logits.dim() != 3:
+        got = list(policy_logits.shape) if isinstance(policy_logits, torch.Tensor) else type(policy_logits).__name__
+        raise LossContractError(f"policy_logits: expected a 3-D tensor [B, T, V], got {got}")
+    B, T, V = policy_logits.shape
+    vocab_size = V if vocab_size is None else vocab_size
+    for name, t in (("policy_logits", policy_logits), ("ref_logits", ref_logits)):
+        if t is not None and t.dtype not in _LOGIT_DTYPES:
+            raise LossContractError(f"{name}: expected dtype float32, float16 or bfloat16, got {t.dtype}")
+    if ref_logits is None:
+        if beta != 0.0:
+            raise LossContractError(f"ref_logits: required when beta > 0 (beta={beta}); pass the reference "
+                                    f"model's logits or set beta=0")
+    else:
+        _shape("ref_logits", ref_logits, (B, T, V), "[B, T, V] like policy_logits")
+    if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2:
+        got = list(completion_mask.shape) if isinstance(completion_mask, torch.Tensor) else type(completion_mask).__name__
+        raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {got}")
+    _shape("completion_mask", completion_mask, (B, T), "[B, T]")
+    _shape("action_ids", action_ids, (B, T), "[B, T]")
+    _shape("old_logps", old_logps, (B, T), "[B, T]")
+    if rewards is not None:
+        _shape("rewards", rewards, (B if num_rewards is None else num_rewards,), "[B]")
+        if not (rewards.is_floating_point() or rewards.dtype in (torch.int64, torch.int32)):
+            raise LossContractError(f"rewards: expected a floating or integer dtype, got {rewards.dtype}")
+        if not bool(torch.isfinite(rewards).all()):
+            bad = torch.nonzero(~torch.isfinite(rewards)).flatten()[:8].tolist()
+            raise LossContractError(f"rewards: expected finite values, got non-finite at sequences {bad}")
+    if action_ids.dtype not in (torch.int64, torch.int32):
+        raise LossContractError(f"action_ids: expected dtype int64 or int32, got {action_ids.dtype}")
+    if not old_logps.is_floating_point():
+        raise LossContractError(f"old_logps: expected a floating dtype, got {old_logps.dtype}")
+    for name, t in (("ref_logits", ref_logits), ("action_ids", action_ids), ("old_logps", old_logps),
+                    ("rewards", rewards), ("completion_mask", completion_mask)):
+        if t is not None and t.device != policy_logits.device:
+            raise LossContractError(f"{name}: expected device {policy_logits.device} like policy_logits, "
+                                    f"got {t.device}")
+    if completion_mask.dtype == torch.bool:
+        mask = completion_mask
+    else:
+        mask = completion_mask != 0
+        if bool((completion_mask[mask] != 1).any()):
+            raise LossContractError(f"completion_mask: expected bool or 0/1 values, got other values "
+                                    f"(dtype {completion_mask.dtype})")
+    active_ids = action_ids[mask]
+    out_of_range = (active_ids < 0) | (active_ids >= vocab_size)
+    if bool(out_of_range.any()):
+        bad = active_ids[out_of_range][:8].tolist()
+        raise LossContractError(f"action_ids: expected ids in [0, {vocab_size}) at active tokens, got {bad}")
+    return mask

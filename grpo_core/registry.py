@@ -1,0 +1,148 @@
+"""One registry for every backend: explicit requests never fall back, automatic choices say what they chose.
+
+    grpo_loss = kernel_registry.get_op("grpo_loss")                    # auto, decided per call from the inputs
+    grpo_loss = kernel_registry.get_op("grpo_loss", backend="native")  # explicit: raises if it cannot run
+    dispatched = kernel_registry.get_loss_op(contract)                 # contract path: .op, .backend, .rejected
+
+A backend declares why it cannot serve a request (`reasons`); an explicit request for such a backend raises
+with those reasons, and an automatic choice records them. Once a backend is chosen its errors propagate: no
+automatic choice retries another backend behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .contract import GRPOLossContract, LossContractError
+
+__all__ = ["BackendUnavailableError", "DispatchedLossOp", "KernelRegistry", "kernel_registry"]
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot serve this request; the message lists why."""
+
+
+@dataclass(frozen=True)
+class _OpEntry:
+    backend: str
+    load: Callable[[], Any]  # returns the op (a callable); imports lazily
+    reasons: Callable[..., list[str]]  # (*args, **kwargs) -> why it cannot serve these inputs
+
+
+@dataclass(frozen=True)
+class DispatchedLossOp:
+    op: Any
+    backend: str
+    rejected: dict[str, list[str]] = field(default_factory=dict)  # backend -> reasons it was not chosen
+
+
+class _AutoOp:
+    """Picks, per call, the first registered backend that can serve the inputs."""
+
+    def __init__(self, registry: KernelRegistry, name: str) -> None:
+        self.name, self._registry = name, registry
+        self.last_backend: str | None = None
+        self.last_rejected: dict[str, list[str]] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rejected = {}
+        for entry in self._registry._ops[self.name]:
+            reasons = entry.reasons(*args, **kwargs)
+            if not reasons:
+                self.last_backend, self.last_rejected = entry.backend, rejected
+                return entry.load()(*args, **kwargs)
+            rejected[entry.backend] = reasons
+        raise BackendUnavailableError(f"{self.name}: no backend can serve these inputs: {rejected}")
+
+
+class KernelRegistry:
+    def __init__(self) -> None:
+        self._ops: dict[str, list[_OpEntry]] = {}
+        self._loss_backends: list[tuple[str, Callable[[], Any]]] = []
+
+    def register_op(self, name: str, backend: str, load: Callable[[], Any],
+                    reasons: Callable[..., list[str]] = lambda *a, **k: []) -> None:
+        """Registers `backend` for op `name`; earlier registrations are preferred by the automatic choice."""
+        entries = self._ops.setdefault(name, [])
+        if any(e.backend == backend for e in entries):
+            raise ValueError(f"backend: {backend!r} is already registered for op {name!r}")
+        entries.append(_OpEntry(backend, load, reasons))
+
+    def register_loss_backend(self, backend: str, load: Callable[[], Any]) -> None:
+        """Registers a contract-path backend; `load()` returns an op with `supports(contract)` and `apply(...)`."""
+        if any(name == backend for name, _ in self._loss_backends):
+            raise ValueError(f"backend: {backend!r} is already registered as a loss backend")
+        self._loss_backends.append((backend, load))
+
+    def backends(self, name: str) -> list[str]:
+        return [e.backend for e in self._entries(name)]
+
+    def _entries(self, name: str) -> list[_OpEntry]:
+        if name not in self._ops:
+            raise KeyError(f"name: expected one of {sorted(self._ops)}, got {name!r}")
+        return self._ops[name]
+
+    def get_op(self, name: str, backend: str | None = None) -> Any:
+        """The op `name` from `backend`, or an automatic chooser when `backend` is None.
+
+        An explicit backend is returned as is when it is available at all; if the inputs of a call are outside
+        what it supports, that call raises `BackendUnavailableError` with the reasons instead of falling back.
+        """
+        entries = self._entries(name)
+        if backend is None:
+            return _AutoOp(self, name)
+        for entry in entries:
+            if entry.backend == backend:
+                return _Explicit(entry, name)
+        raise BackendUnavailableError(f"backend: expected one of {[e.backend for e in entries]} for op {name!r}, "
+                                      f"got {backend!r}")
+
+    def get_loss_op(self, contract: GRPOLossContract, backend: str | None = None) -> DispatchedLossOp:
+        """The contract-path op for `contract`: the first backend whose `supports(contract)` has no reasons."""
+        if not isinstance(contract, GRPOLossContract):
+            raise LossContractError(f"contract: expected a GRPOLossContract, got {type(contract).__name__}")
+        names = [name for name, _ in self._loss_backends]
+        if backend is not None and backend not in names:
+            raise BackendUnavailableError(f"backend: expected one of {names}, got {backend!r}")
+        rejected: dict[str, list[str]] = {}
+        for name, load in self._loss_backends:
+            if backend is not None and name != backend:
+                continue
+            op = load()
+            reasons = op.supports(contract)
+            if not reasons:
+                return DispatchedLossOp(op=op, backend=name, rejected=rejected)
+            rejected[name] = reasons
+        raise BackendUnavailableError(f"contract: no loss backend can serve it: {rejected}")
+
+
+class _Explicit:
+    """An explicitly requested backend: checks its reasons on every call and raises instead of falling back."""
+
+    def __init__(self, entry: _OpEntry, name: str) -> None:
+        self._entry, self.name, self.backend = entry, name, entry.backend
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        reasons = self._entry.reasons(*args, **kwargs)
+        if reasons:
+            raise BackendUnavailableError(f"backend: {self.backend!r} cannot run {self.name}: " + "; ".join(reasons))
+        return self._entry.load()(*args, **kwargs)
+
+
+def _lazy(module: str, attr: str) -> Callable[[], Any]:
+    cache: list[Any] = []
+
+    def load() -> Any:
+        if not cache:
+            cache.append(getattr(importlib.import_module(module, __package__), attr)())
+        return cache[0]
+
+    return load
+
+
+kernel_registry = KernelRegistry()
+kernel_registry.register_op("grpo_loss", "native", _lazy(".native", "NativeGRPOLossOp"))
+kernel_registry.register_op("ratio_kl", "native", _lazy(".native", "NativeRatioKLOp"))
+kernel_registry.register_loss_backend("native", _lazy(".native", "NativeGRPOLossOp"))

@@ -1,0 +1,30 @@
+"""Sessions: `nox -s tests` (CPU suite), `nox -s determinism` (the CI gate). `nox -l` lists them all.
+
+In a fresh virtualenv each session installs the project with the CPU torch pinned by `constraints-cpu.txt`;
+with `nox --no-venv` (a machine that already has torch, e.g. the GPU image) nothing is installed.
+"""
+
+from __future__ import annotations
+
+import nox
+from nox.virtualenv import PassthroughEnv
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+
+
+def _install(session: nox.Session) -> None:
+    if isinstance(session.virtualenv, PassthroughEnv):
+        session.log("--no-venv: using the interpreter's own torch and packages")
+    else:
+        session.install("-c", "constraints-cpu.txt", "-e", ".[test]")
+    session.run("python", "-c", "import sys, torch; print('python', sys.version.split()[0], '| torch',"
+                " torch.__version__, '| cuda', torch.cuda.is_available())")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite on the CPU (pytest-xdist); extra arguments go to pytest."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-n", "auto", *session.posargs, env={"TRITON_INTERPRET": "1"})

@@ -1,0 +1,68 @@
+"""Shared test helpers: seeded inputs, a float64 oracle-friendly generator, bitwise and verbose comparisons."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("GRPO_TEST_THREADS", "1")))
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def make_inputs(B: int, T: int, V: int, *, seed: int = 0, dtype=torch.float32, active: float = 0.8,
+                scale: float = 2.0, device: str = "cpu", empty_rows: tuple[int, ...] = ()) -> dict:
+    """Random GRPO inputs; `old_logps` sit near the true log-probs so ratios straddle the clip range."""
+    g = torch.Generator().manual_seed(seed)
+    policy = torch.randn(B, T, V, generator=g) * scale
+    ref = policy + 0.3 * torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < active
+    mask[:, 0] = True
+    for row in empty_rows:
+        mask[row] = False
+    true_logp = torch.log_softmax(policy.double(), -1).gather(-1, ids[..., None])[..., 0]
+    old = (true_logp + 0.25 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    rewards = torch.randn(B, generator=g)
+    out = dict(policy_logits=policy.to(dtype), ref_logits=ref.to(dtype), action_ids=ids, old_logps=old,
+               rewards=rewards, completion_mask=mask)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of a tensor's bytes: the only honest way to say 'bitwise equal'."""
+    t = t.detach().contiguous()
+    view = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}.get(t.dtype)
+    return t.view(view) if view is not None else t
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    diff = bits(a).cpu() != bits(b).cpu()
+    if bool(diff.any()):
+        idx = torch.nonzero(diff)[:5].tolist()
+        first = tuple(idx[0])
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ bitwise, first at "
+                             f"{idx}: {a.detach().cpu()[first].item()!r} vs {b.detach().cpu()[first].item()!r}")
+
+
+def assert_close_verbose(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float,
+                         what: str = "") -> None:
+    """allclose with a report: how many elements miss, where the first ones are, the worst absolute error."""
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} vs {expected.shape}"
+    err = (actual - expected).abs()
+    bad = ~(err <= atol + rtol * expected.abs())
+    if bool(bad.any()):
+        idx = torch.nonzero(bad)[:5].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements outside atol={atol} rtol={rtol}; "
+                             f"first at {idx}; worst abs error {err.max().item():.3e}")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
