@@ -14,10 +14,16 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 
 def make_inputs(B: int, T: int, V: int, *, seed: int = 0, dtype=torch.float32, active: float = 0.8,
-                scale: float = 2.0, device: str = "cpu", empty_rows: tuple[int, ...] = ()) -> dict:
-    """Random GRPO inputs; `old_logps` sit near the true log-probs so ratios straddle the clip range."""
+                scale: float = 2.0, device: str = "cpu", empty_rows: tuple[int, ...] = (), wide: bool = False) -> dict:
+    """Random GRPO inputs; `old_logps` sit near the true log-probs so ratios straddle the clip range.
+
+    `wide=True` spreads the logits over many binary exponents (2**-12 .. 2**4): the vacuity guard under which a
+    reordered sum visibly changes bits.
+    """
     g = torch.Generator().manual_seed(seed)
     policy = torch.randn(B, T, V, generator=g) * scale
+    if wide:
+        policy = policy * torch.exp2(torch.randint(-12, 3, (B, T, V), generator=g).float())
     ref = policy + 0.3 * torch.randn(B, T, V, generator=g)
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) < active
