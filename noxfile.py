@@ -11,7 +11,7 @@ from nox.virtualenv import PassthroughEnv
 
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "determinism"]
 
 
 def _install(session: nox.Session) -> None:
@@ -28,3 +28,27 @@ def tests(session: nox.Session) -> None:
     """The test suite on the CPU (pytest-xdist); extra arguments go to pytest."""
     _install(session)
     session.run("python", "-m", "pytest", "-n", "auto", *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def determinism(session: nox.Session) -> None:
+    """The gate: every scenario on every TP x DP layout (default world 4, CPU), diffed bitwise against the
+    single-rank run and this platform's golden; exits non-zero on any drift. Extra arguments go to
+    `python -m harness run` (e.g. `-- --device cuda`, `-- --max-world 8`)."""
+    _install(session)
+    session.run("python", "-m", "harness", "run", *session.posargs)
+
+
+@nox.session(default=False)
+def goldens(session: nox.Session) -> None:
+    """Re-record this platform's goldens (explicit; review the diff before committing). `-- --device cuda`."""
+    _install(session)
+    session.run("python", "-m", "harness", "goldens", *session.posargs)
+
+
+@nox.session(default=False)
+def report(session: nox.Session) -> None:
+    """Drift report between two recorded runs: `nox -s report -- drift RUN_A RUN_B --out DIR`, or the
+    regroup study: `nox -s report -- study --out DIR`."""
+    _install(session)
+    session.run("python", "-m", "reports", *(session.posargs or ["study", "--out", "runs/report"]))

@@ -68,6 +68,9 @@ class DistributedGRPOLossOp:
     """
 
     backend = "distributed"
+    # The per-sequence token reduction (tree sums over padded_seq_len); a hook so that the harness can plant a
+    # deliberately regrouped variant and prove its diff catches it.
+    token_terms = staticmethod(grpo_terms)
 
     def __init__(self) -> None:
         self._logprob = VocabParallelLogprobOp()
@@ -116,9 +119,9 @@ class DistributedGRPOLossOp:
 
         advantages = group_advantages(_gather_sequences(rewards.to(torch.float32), contract, dp_group),
                                       contract.groups, contract.advantage_std)
-        local_policy, local_kl, local_counts = grpo_terms(logp.view(n_local, T), logp_ref, old_logps, mask,
-                                                          advantages[seq_lo:seq_hi], contract.clip_eps,
-                                                          contract.clip_eps_high)
+        local_policy, local_kl, local_counts = self.token_terms(logp.view(n_local, T), logp_ref, old_logps, mask,
+                                                               advantages[seq_lo:seq_hi], contract.clip_eps,
+                                                               contract.clip_eps_high)
         per_seq_policy = _GatherSequences.apply(local_policy, contract, dp_group)
         per_seq_kl = _GatherSequences.apply(local_kl, contract, dp_group)
         counts = _gather_sequences(local_counts, contract, dp_group)

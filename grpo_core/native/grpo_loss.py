@@ -21,12 +21,12 @@ from .ratio_kl import clipped_surrogate, ratio_and_kl, selected_logprobs
 
 
 def grpo_terms(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,
-               advantages: torch.Tensor, clip_eps: float, clip_eps_high: float
+               advantages: torch.Tensor, clip_eps: float, clip_eps_high: float, token_sum=tree_sum
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence token sums `[B]` of the clipped surrogate and of the k3 KL, and the active counts `[B]`."""
     ratio, kl = ratio_and_kl(logp, logp_ref, old_logps, mask)
     policy = clipped_surrogate(ratio, advantages, mask, clip_eps, clip_eps_high)
-    return tree_sum(policy), tree_sum(kl), mask.sum(dim=-1)
+    return token_sum(policy), token_sum(kl), mask.sum(dim=-1)
 
 
 def combine(per_seq_policy: torch.Tensor, per_seq_kl: torch.Tensor, counts: torch.Tensor, beta: float,

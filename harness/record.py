@@ -1,0 +1,176 @@
+"""Runs scenarios on layouts inside a world and records every number as a long Parquet table.
+
+One row per (scenario, topology, field, index): the value, its exact bit pattern (`bits`, the integer view),
+and for the gradient a per-sequence SHA-256 digest of its bytes in global vocab order. File metadata carries
+the provenance: versions, device, git commit, pinned numerics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from grpo_core.distributed import DistributedGRPOLossOp
+
+from .scenarios import SCENARIOS, RegroupedTokenSumOp, Scenario
+from .topology import Layout, RankContext
+
+SCALARS = ("loss", "policy_loss", "kl")
+VECTORS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens")
+COLUMNS = ["scenario", "topology", "field", "index", "value", "bits", "digest", "fingerprint"]
+
+
+def bit_pattern(t: torch.Tensor) -> list[int]:
+    t = t.detach().cpu().contiguous().reshape(-1)
+    if t.dtype == torch.float32:
+        return t.view(torch.int32).long().tolist()
+    return t.long().tolist()
+
+
+def _gather_grad_digests(grad: torch.Tensor, contract, tp_group, dp_group) -> list[str]:
+    """Per-sequence SHA-256 of the full gradient row block `[T, V]` in global vocab order (exact gathers only)."""
+    bounds = contract.sharding.vocab_shard_bounds
+    if len(bounds) > 1:
+        widths = [hi - lo for lo, hi in bounds]
+        padded = F.pad(grad, (0, max(widths) - grad.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in widths]
+        dist.all_gather(parts, padded, group=tp_group)
+        grad = torch.cat([p[..., :w] for p, w in zip(parts, widths)], -1)
+    raw = grad.detach().cpu().contiguous()
+    mine = [hashlib.sha256(raw[b].view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+            for b in range(raw.shape[0])]
+    if len(contract.sharding.sequence_shard_bounds) == 1:
+        return mine
+    gathered: list[Any] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(gathered, mine, group=dp_group)
+    return [d for part in gathered for d in part]
+
+
+def run_case(scn: Scenario, inputs: dict, layout: Layout, tp_rank: int, dp_rank: int, tp_group, dp_group,
+             device: torch.device, op: DistributedGRPOLossOp) -> list[dict]:
+    """Runs one scenario on one layout (this rank's part) and returns its rows."""
+    c = scn.contract(layout.tp, layout.dp, tp_rank, dp_rank)
+    (lo, hi), (vlo, vhi) = c.sharding.sequence_bounds, c.sharding.vocab_bounds
+    x = inputs["policy_logits"][lo:hi, :, vlo:vhi].to(device).clone().requires_grad_(True)
+    ref = inputs["ref_logits"]
+    res = op.apply(x, inputs["action_ids"][lo:hi].to(device), inputs["old_logps"][lo:hi].to(device),
+                   inputs["rewards"][lo:hi].to(device), contract=c,
+                   completion_mask=inputs["completion_mask"][lo:hi].to(device),
+                   ref_local_logits=None if ref is None else ref[lo:hi, :, vlo:vhi].to(device),
+                   tp_group=tp_group, dp_group=dp_group)
+    res.loss.backward()
+    digests = _gather_grad_digests(x.grad, c, tp_group, dp_group)
+    rows, fp, topo = [], c.fingerprint(), layout.name
+    for f in SCALARS:
+        t = getattr(res, f)
+        rows.append(dict(scenario=scn.name, topology=topo, field=f, index=-1, value=t.item(),
+                         bits=bit_pattern(t)[0], digest=None, fingerprint=fp))
+    for f in VECTORS:
+        t = getattr(res, f)
+        for i, (v, b) in enumerate(zip(t.tolist(), bit_pattern(t))):
+            rows.append(dict(scenario=scn.name, topology=topo, field=f, index=i, value=float(v), bits=b, digest=None,
+                             fingerprint=fp))
+    for i, d in enumerate(digests):
+        rows.append(dict(scenario=scn.name, topology=topo, field="grad_digest", index=i, value=None, bits=None,
+                         digest=d, fingerprint=fp))
+    return rows
+
+
+def world_run(ctx: RankContext, scenario_names: list[str], layout_names: list[str], plant_drift: str | None,
+              progress: bool) -> dict | None:
+    """Every scenario on every layout inside one world; rank 0 returns the rows, the guards and the provenance."""
+    lays = [Layout.parse(n) for n in layout_names]
+    steps, done, rows, guards = len(scenario_names) * len(lays), 0, [], {}
+    for name in scenario_names:
+        scn = SCENARIOS[name]
+        inputs = scn.inputs()
+        for lay in lays:
+            place = ctx.place(lay)
+            if place is not None:
+                op = RegroupedTokenSumOp() if lay.name == plant_drift else DistributedGRPOLossOp()
+                got = run_case(scn, inputs, lay, place.tp_rank, place.dp_rank, place.tp_group, place.dp_group,
+                               ctx.device, op)
+                if ctx.rank == 0:
+                    rows += got
+            done += 1
+            if progress and ctx.rank == 0 and (sys.stderr.isatty() or lay == lays[-1]):
+                bar = "#" * (30 * done // steps)
+                end = "" if sys.stderr.isatty() else "\n"
+                print(f"\r[{bar:<30}] {done}/{steps} {name:<28} {lay.name:<10}", end=end, file=sys.stderr,
+                      flush=True)
+        if ctx.rank == 0:
+            guards[name] = _guard(scn, inputs, ctx.device)
+    if progress and ctx.rank == 0 and sys.stderr.isatty():
+        print(file=sys.stderr)
+    if ctx.rank != 0:
+        return None
+    return {"rows": rows, "guards": guards, "provenance": provenance(ctx)}
+
+
+def _guard(scn: Scenario, inputs: dict, device: torch.device) -> str | None:
+    """A scenario's own sanity check; returns an error string, or None when it holds."""
+    if scn.wide:  # the vacuity guard: regrouping the token sum must visibly change bits on these inputs
+        base = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp())
+        moved = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, RegroupedTokenSumOp())
+        if all(a["bits"] == b["bits"] for a, b in zip(base, moved) if a["field"] == "per_sequence_policy"):
+            return "vacuous: regrouping the token sum changed no per-sequence bit on the wide-exponent inputs"
+    if scn.identity:
+        rows = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp())
+        kl_bits = [r["bits"] for r in rows if r["field"] in ("kl", "per_sequence_kl")]
+        if any(kl_bits):
+            return "identity: KL is not exactly 0.0 with reference == policy"
+    return None
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parents[1])
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(ctx: RankContext) -> dict[str, Any]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    dev = ctx.device
+    return {
+        "backend": "distributed", "process_group": ctx.backend, "world_size": ctx.world_size,
+        "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
+        "device_type": dev.type, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads_per_rank": torch.get_num_threads(), "tf32": torch.backends.cuda.matmul.allow_tf32,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "git_commit": git_commit(),
+    }
+
+
+def write_table(rows: list[dict], path: Path, metadata: dict[str, Any]) -> None:
+    df = pd.DataFrame(rows, columns=COLUMNS).astype({"index": "int64", "bits": "Int64"})
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    meta = {**(table.schema.metadata or {}), b"grpo_core": json.dumps(metadata, sort_keys=True).encode()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table.replace_schema_metadata(meta), path)
+
+
+def read_table(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    table = pq.read_table(path)
+    meta = json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
+    return table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get), meta
