@@ -24,20 +24,28 @@ def ulp_distance(a: pd.Series, b: pd.Series, field: pd.Series) -> pd.Series:
 
 
 def differences(run: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
-    """Rows of `run` whose bits (or digest) differ from `reference` on (scenario, field, index).
-
-    `reference` holds one topology per scenario; every topology of `run` is compared with it.
+    """Rows of `run` whose bits (or digest) differ from `reference` on (scenario, field, index), and rows that
+    either side lacks. `reference` holds one topology per scenario; each topology of `run` is compared with it.
     """
     ref = reference[KEY + ["value", "bits", "digest"]].rename(
         columns={"value": "ref_value", "bits": "ref_bits", "digest": "ref_digest"})
-    merged = run.merge(ref, on=KEY, how="outer", indicator=True)
+    ref = ref[ref["scenario"].isin(run["scenario"].unique())]
+    frames = []
+    for topology, part in run.groupby("topology"):
+        merged = part.merge(ref[ref["scenario"].isin(part["scenario"].unique())], on=KEY, how="outer",
+                            indicator=True)
+        merged["topology"] = topology
+        frames.append(merged)
+    if not frames:
+        return pd.DataFrame(columns=list(run.columns) + ["ref_value", "ref_bits", "ref_digest", "ulp", "missing"])
+    merged = pd.concat(frames, ignore_index=True)
     missing = merged["_merge"] != "both"
     bits_differ = (merged["bits"].fillna(-1) != merged["ref_bits"].fillna(-1)) | (
         merged["bits"].isna() != merged["ref_bits"].isna())
     digest_differ = merged["digest"].fillna("") != merged["ref_digest"].fillna("")
     out = merged[missing | bits_differ | digest_differ].copy()
     out["ulp"] = ulp_distance(out["bits"], out["ref_bits"], out["field"])
-    out["missing"] = out["_merge"].map({"left_only": "reference", "right_only": "run", "both": ""})
+    out["missing"] = out["_merge"].map({"left_only": "reference", "right_only": "run", "both": ""}).astype(str)
     return out.drop(columns="_merge").sort_values(["scenario", "topology", "field", "index"])
 
 
