@@ -23,17 +23,20 @@ def ulp_distance(a: pd.Series, b: pd.Series, field: pd.Series) -> pd.Series:
     return dist.where(~counts, (a.astype("float64") - b.astype("float64")).abs())
 
 
-def differences(run: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
+def differences(run: pd.DataFrame, reference: pd.DataFrame, same_topology: bool = False) -> pd.DataFrame:
     """Rows of `run` whose bits (or digest) differ from `reference` on (scenario, field, index), and rows that
-    either side lacks. `reference` holds one topology per scenario; each topology of `run` is compared with it.
+    either side lacks. `reference` holds one topology per scenario and each topology of `run` is compared with
+    it, or, with `same_topology`, each topology is compared with the same topology of `reference`.
     """
-    ref = reference[KEY + ["value", "bits", "digest"]].rename(
-        columns={"value": "ref_value", "bits": "ref_bits", "digest": "ref_digest"})
+    ref = reference[KEY + ["topology", "value", "bits", "digest"]].rename(
+        columns={"value": "ref_value", "bits": "ref_bits", "digest": "ref_digest", "topology": "ref_topology"})
     ref = ref[ref["scenario"].isin(run["scenario"].unique())]
     frames = []
     for topology, part in run.groupby("topology"):
-        merged = part.merge(ref[ref["scenario"].isin(part["scenario"].unique())], on=KEY, how="outer",
-                            indicator=True)
+        mine = ref[ref["scenario"].isin(part["scenario"].unique())]
+        if same_topology:
+            mine = mine[mine["ref_topology"] == topology]
+        merged = part.merge(mine.drop(columns="ref_topology"), on=KEY, how="outer", indicator=True)
         merged["topology"] = topology
         frames.append(merged)
     if not frames:

@@ -100,3 +100,20 @@ def test_diff_counts_signed_zero_and_nan_payloads():
     assert diffs["index"].tolist() == [0, 1]
     assert ulp_distance(pd.Series([0x3F800001]), pd.Series([0x3F800000]), pd.Series(["loss"])).item() == 1
     assert ulp_distance(pd.Series([-(2**31) + 1]), pd.Series([1]), pd.Series(["loss"])).item() == 2  # -tiny vs +tiny
+
+
+def test_drift_report_and_regroup_study(clean_run, tmp_path):
+    from reports.drift import drift_report, regroup_study
+    _, clean = clean_run
+    planted = tmp_path / "planted"
+    harness("run", "--max-world", "2", "--scenarios", SCN, "--plant-drift", "tp2xdp1", "--out", str(planted))
+    diffs = drift_report(str(planted), str(clean), tmp_path / "report")
+    assert set(diffs["topology"]) == {"tp2xdp1"} and "per_sequence_policy" in set(diffs["field"])
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Scalar versus vector" in md and f"| {SCN} | tp2xdp1 | drift |" in md
+    for f in ("report.html", "ulp_histogram.png", "moved_by_scenario.png"):
+        assert (tmp_path / "report" / f).stat().st_size > 0
+    same = drift_report(str(clean), str(clean), tmp_path / "same")
+    assert same.empty and "identical" in (tmp_path / "same" / "report.md").read_text()
+    summary = regroup_study(2, tmp_path / "study", seq_len=64)
+    assert summary["seeds"] == 2 and 0 <= summary["loss_moved"] <= summary["vector_moved"] <= 2

@@ -1,0 +1,1 @@
+"""Drift reports between recorded runs, and the regroup study (`python -m reports`)."""
