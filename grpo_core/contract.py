@@ -384,12 +384,13 @@ def _shape(name: str, t: Any, expected: tuple[int, ...], what: str) -> None:
 
 def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps: Any, rewards: Any,
                  completion_mask: Any, *, beta: float, vocab_size: int | None = None,
-                 num_rewards: int | None = None) -> torch.Tensor:
+                 num_rewards: int | None = None, values: bool = True) -> torch.Tensor:
     """Checks the loss inputs against each other and returns the completion mask as bool `[B, T]`.
 
     `policy_logits` is `[B, T, V_local]`; `vocab_size` is the global vocabulary that `action_ids` index
     (default: `V_local`). `num_rewards` defaults to `B`; `rewards=None` skips them. Ids are checked at active
-    tokens only: masked positions may hold padding ids.
+    tokens only: masked positions may hold padding ids. `values=False` checks shapes, dtypes and devices only
+    (no device sync): the caller then owes `check_inputs(..., values=True)` when its kernels flag bad values.
     """
     if not isinstance(policy_logits, torch.Tensor) or policy_logits.dim() != 3:
         got = list(policy_logits.shape) if isinstance(policy_logits, torch.Tensor) else type(policy_logits).__name__
@@ -415,7 +416,7 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         _shape("rewards", rewards, (B if num_rewards is None else num_rewards,), "[B]")
         if not (rewards.is_floating_point() or rewards.dtype in (torch.int64, torch.int32)):
             raise LossContractError(f"rewards: expected a floating or integer dtype, got {rewards.dtype}")
-        if not bool(torch.isfinite(rewards).all()):
+        if values and not bool(torch.isfinite(rewards).all()):
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten()[:8].tolist()
             raise LossContractError(f"rewards: expected finite values, got non-finite at sequences {bad}")
     if action_ids.dtype not in (torch.int64, torch.int32):
@@ -431,9 +432,11 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         mask = completion_mask
     else:
         mask = completion_mask != 0
-        if bool((completion_mask[mask] != 1).any()):
+        if values and bool((completion_mask[mask] != 1).any()):
             raise LossContractError(f"completion_mask: expected bool or 0/1 values, got other values "
                                     f"(dtype {completion_mask.dtype})")
+    if not values:
+        return mask
     active_ids = action_ids[mask]
     out_of_range = (active_ids < 0) | (active_ids >= vocab_size)
     if bool(out_of_range.any()):

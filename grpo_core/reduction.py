@@ -37,9 +37,11 @@ def tree_max(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return tree_reduce(x, torch.maximum, float("-inf"), dim)
 
 
-def _div(total: torch.Tensor, count: int | float) -> torch.Tensor:
+def _div(total: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:
     # Divide by a device tensor, not a Python scalar: CUDA turns scalar division into a reciprocal multiply.
-    return total / torch.tensor(float(count), dtype=total.dtype, device=total.device)
+    if not isinstance(count, torch.Tensor):
+        count = torch.tensor(float(count), device=total.device)
+    return total / count.to(total.dtype)
 
 
 def normalize(per_sequence: torch.Tensor, counts: torch.Tensor, normalizer: TokenNormalizer,
@@ -49,12 +51,24 @@ def normalize(per_sequence: torch.Tensor, counts: torch.Tensor, normalizer: Toke
     A batch without any active token gives exactly 0.0 (its token sums are all zero; the denominator is 1).
     """
     if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
-        return _div(tree_sum(per_sequence), max(int(counts.sum()), 1))
+        return _div(tree_sum(per_sequence), counts.sum().clamp(min=1))
     if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
         active = counts > 0
         denom = torch.where(active, counts, torch.ones_like(counts)).to(per_sequence.dtype)
         means = torch.where(active, per_sequence / denom, torch.zeros_like(per_sequence))
-        return _div(tree_sum(means), max(int(active.sum()), 1))
+        return _div(tree_sum(means), active.sum().clamp(min=1))
     if normalizer is TokenNormalizer.FIXED_CONSTANT:
         return _div(tree_sum(per_sequence), constant)
     raise AssertionError(normalizer)
+
+
+def token_weights(counts: torch.Tensor, normalizer: TokenNormalizer, constant: float | None) -> torch.Tensor:
+    """`d loss / d (token term)` of each sequence's tokens under `normalize`, fp32 `[S]` (no device sync)."""
+    ones = torch.ones(counts.shape, dtype=torch.float32, device=counts.device)
+    if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
+        return ones / counts.sum().clamp(min=1).float()
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
+        active = counts > 0
+        per_seq = ones / (counts.clamp(min=1).float() * active.sum().clamp(min=1).float())
+        return torch.where(active, per_seq, torch.zeros_like(per_seq))
+    return ones / constant

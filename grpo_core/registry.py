@@ -12,6 +12,8 @@ automatic choice retries another backend behind the caller's back.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +30,7 @@ class BackendUnavailableError(RuntimeError):
 class _OpEntry:
     backend: str
     load: Callable[[], Any]  # returns the op (a callable); imports lazily
-    reasons: Callable[..., list[str]]  # (*args, **kwargs) -> why it cannot serve these inputs
+    reasons: Callable[[tuple, dict, bool], list[str]]  # (args, kwargs, explicit) -> why it cannot serve them
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class _AutoOp:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rejected = {}
         for entry in self._registry._ops[self.name]:
-            reasons = entry.reasons(*args, **kwargs)
+            reasons = entry.reasons(args, kwargs, False)
             if not reasons:
                 self.last_backend, self.last_rejected = entry.backend, rejected
                 return entry.load()(*args, **kwargs)
@@ -63,8 +65,11 @@ class KernelRegistry:
         self._loss_backends: list[tuple[str, Callable[[], Any]]] = []
 
     def register_op(self, name: str, backend: str, load: Callable[[], Any],
-                    reasons: Callable[..., list[str]] = lambda *a, **k: []) -> None:
-        """Registers `backend` for op `name`; earlier registrations are preferred by the automatic choice."""
+                    reasons: Callable[[tuple, dict, bool], list[str]] = lambda args, kwargs, explicit: []) -> None:
+        """Registers `backend` for op `name`; earlier registrations are preferred by the automatic choice.
+
+        `reasons(args, kwargs, explicit)` says why the backend cannot serve a call (empty: it can).
+        """
         entries = self._ops.setdefault(name, [])
         if any(e.backend == backend for e in entries):
             raise ValueError(f"backend: {backend!r} is already registered for op {name!r}")
@@ -125,7 +130,7 @@ class _Explicit:
         self._entry, self.name, self.backend = entry, name, entry.backend
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        reasons = self._entry.reasons(*args, **kwargs)
+        reasons = self._entry.reasons(args, kwargs, True)
         if reasons:
             raise BackendUnavailableError(f"backend: {self.backend!r} cannot run {self.name}: " + "; ".join(reasons))
         return self._entry.load()(*args, **kwargs)
@@ -142,8 +147,23 @@ def _lazy(module: str, attr: str) -> Callable[[], Any]:
     return load
 
 
+def _triton_reasons(args: tuple, kwargs: dict, explicit: bool) -> list[str]:
+    """Triton serves CUDA tensors; an explicit request may also run CPU tensors under TRITON_INTERPRET=1."""
+    if importlib.util.find_spec("triton") is None:
+        return ["triton is not installed"]
+    logits = args[0] if args else kwargs.get("policy_logits")
+    device = getattr(logits, "device", None)
+    if device is not None and device.type == "cuda":
+        return []
+    if explicit and os.environ.get("TRITON_INTERPRET") == "1":
+        return []
+    return [f"policy_logits is on {device}; the Triton backend needs CUDA tensors (or, when requested explicitly, "
+            f"TRITON_INTERPRET=1 for the CPU interpreter)"]
+
+
 kernel_registry = KernelRegistry()
-kernel_registry.register_op("grpo_loss", "native", _lazy(".native", "NativeGRPOLossOp"))
-kernel_registry.register_op("ratio_kl", "native", _lazy(".native", "NativeRatioKLOp"))
+for _name, _cls in (("grpo_loss", "GRPOLossOp"), ("ratio_kl", "RatioKLOp")):
+    kernel_registry.register_op(_name, "triton", _lazy(".triton", f"Triton{_cls}"), _triton_reasons)
+    kernel_registry.register_op(_name, "native", _lazy(".native", f"Native{_cls}"))
 kernel_registry.register_loss_backend("native", _lazy(".native", "NativeGRPOLossOp"))
 kernel_registry.register_loss_backend("distributed", _lazy(".distributed", "DistributedGRPOLossOp"))

@@ -7,6 +7,9 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run under the interpreter on the CPU (read at import time)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(int(os.environ.get("GRPO_TEST_THREADS", "1")))
 
 HAS_CUDA = torch.cuda.is_available()

@@ -8,6 +8,7 @@ to fp32 rounding, not to the bit.
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,34 @@ def combine(per_seq_policy: torch.Tensor, per_seq_kl: torch.Tensor, counts: torc
     return loss, policy_loss.detach(), kl.detach()
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    mask: torch.Tensor
+    clip_eps: float
+    clip_eps_high: float
+    beta: float
+    groups: tuple[int, ...]
+    std: AdvantageStd
+    normalizer: TokenNormalizer
+    constant: float | None
+
+
+def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
+                 samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
+                 values: bool = True) -> LossOptions:
+    """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
+    clip_eps = check_float("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
+    clip_eps_high = check_float("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
+    beta = check_float("beta", beta, minimum=0.0)
+    normalizer = check_enum(TokenNormalizer, "normalizer", normalizer)
+    std = check_enum(AdvantageStd, "advantage_std", advantage_std)
+    constant = check_normalizer_constant(normalizer, normalizer_constant)
+    mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta,
+                        values=values)
+    groups = check_groups(policy_logits.shape[0], samples_per_prompt, group_boundaries, std)
+    return LossOptions(mask, clip_eps, clip_eps_high, beta, groups, std, normalizer, constant)
+
+
 def provenance(backend: str, logits: torch.Tensor, **extra: Any) -> dict[str, Any]:
     return {"backend": backend, "torch": torch.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(logits.device) if logits.is_cuda else platform.machine(),
@@ -58,16 +87,11 @@ class NativeGRPOLossOp:
                  normalizer: TokenNormalizer | str = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
                  normalizer_constant: float | None = None, advantage_std: AdvantageStd | str = AdvantageStd.POPULATION
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        clip_eps = check_float("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
-        clip_eps_high = check_float("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
-        beta = check_float("beta", beta, minimum=0.0)
-        normalizer = check_enum(TokenNormalizer, "normalizer", normalizer)
-        std = check_enum(AdvantageStd, "advantage_std", advantage_std)
-        constant = check_normalizer_constant(normalizer, normalizer_constant)
-        mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta)
-        groups = check_groups(policy_logits.shape[0], samples_per_prompt, group_boundaries, std)
-        return tuple(self._run(policy_logits, ref_logits, action_ids, old_logps, rewards, mask, clip_eps,
-                               clip_eps_high, beta, groups, std, normalizer, constant, {}))
+        o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
+                         samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
+                         advantage_std)
+        return tuple(self._run(policy_logits, ref_logits, action_ids, old_logps, rewards, o.mask, o.clip_eps,
+                               o.clip_eps_high, o.beta, o.groups, o.std, o.normalizer, o.constant, {}))
 
     def supports(self, contract: GRPOLossContract) -> list[str]:
         """Reasons this op cannot serve `contract` (empty when it can)."""

@@ -1,0 +1,61 @@
+"""Group-relative advantages on the GPU: one program per CSR group of any size (chunked loops, no size cap)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ..advantages import STD_FLOOR
+from ..contract import AdvantageStd
+
+BLOCK = 1024
+_MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2}
+
+
+@triton.jit
+def _group_norm_kernel(
+    r_ptr,  # rewards [S] fp32
+    bounds_ptr,  # CSR group offsets [G + 1] int64
+    adv_ptr,  # out: advantages [S] fp32
+    floor,  # std floor (1e-6)
+    # Meta-parameters
+    MODE: tl.constexpr,  # 0 population std, 1 unbiased std, 2 no std
+    BLOCK: tl.constexpr,
+):
+    g = tl.program_id(0)
+    lo = tl.load(bounds_ptr + g)
+    hi = tl.load(bounds_ptr + g + 1)
+    n = (hi - lo).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(lo, hi, BLOCK):
+        acc += tl.load(r_ptr + start + cols, mask=start + cols < hi, other=0.0)
+    mean = tl.sum(acc, 0) / n
+    scale = 1.0
+    if MODE != 2:
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for start in range(lo, hi, BLOCK):
+            inside = start + cols < hi
+            d = tl.where(inside, tl.load(r_ptr + start + cols, mask=inside, other=0.0) - mean, 0.0)
+            acc += d * d
+        var = tl.sum(acc, 0) / (n - 1.0 if MODE == 1 else n)
+        scale = 1.0 / tl.maximum(tl.sqrt(var), floor)
+    for start in range(lo, hi, BLOCK):
+        inside = start + cols < hi
+        r = tl.load(r_ptr + start + cols, mask=inside, other=0.0)
+        tl.store(adv_ptr + start + cols, (r - mean) * scale, mask=inside)
+
+
+@triton_op("grpo_core::group_advantages", mutates_args={})
+def _group_advantages(rewards: torch.Tensor, bounds: torch.Tensor, mode: int) -> torch.Tensor:
+    adv = torch.empty_like(rewards)
+    wrap_triton(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, STD_FLOOR, MODE=mode, BLOCK=BLOCK)
+    return adv
+
+
+def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
+    """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group; fp32 `[S]`."""
+    bounds = torch.tensor(group_boundaries, dtype=torch.int64, device=rewards.device)
+    return _group_advantages(rewards.to(torch.float32).contiguous(), bounds, _MODES[std])

@@ -1,0 +1,182 @@
+"""The Triton backend against the native op: under TRITON_INTERPRET=1 on the CPU (small shapes), compiled on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, make_inputs
+from grpo_core import LossContractError, kernel_registry
+from grpo_core.advantages import group_advantages as native_advantages
+from grpo_core.contract import AdvantageStd
+
+DEV = "cuda" if HAS_CUDA else "cpu"  # cpu: the Triton interpreter (conftest sets TRITON_INTERPRET=1)
+triton = kernel_registry.get_op("grpo_loss", backend="triton")
+native = kernel_registry.get_op("grpo_loss", backend="native")
+GROUPINGS = {"uniform": dict(samples_per_prompt=2), "csr": dict(group_boundaries=[0, 4, 6])}
+NORMALIZERS = [("global_active_tokens", None), ("per_sequence_then_mean", None), ("fixed_constant", 20.0)]
+# Per-dtype tolerances of the Triton op on half-precision logits against the fp32 native op on the same values.
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+
+def run(op, inp, **kw):
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    loss, pol, kl = op(**{**inp, "policy_logits": x}, **kw)
+    loss.backward()
+    return loss, pol, kl, x.grad
+
+
+@pytest.mark.parametrize("grouping", GROUPINGS)
+@pytest.mark.parametrize("normalizer,constant", NORMALIZERS)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_matches_native_fp32(grouping, normalizer, constant, beta, single_pass):
+    inp = make_inputs(6, 5, 37, seed=3, device=DEV, empty_rows=(1,))
+    if beta == 0.0:
+        inp["ref_logits"] = None
+    kw = dict(beta=beta, normalizer=normalizer, normalizer_constant=constant, clip_eps_high=0.28, **GROUPINGS[grouping])
+    got = run(triton, inp, single_pass=single_pass, **kw)
+    want = run(native, inp, **kw)
+    for name, g, w in zip(("loss", "policy_loss", "kl"), got[:3], want[:3]):
+        assert_close_verbose(g, w, atol=1e-4, rtol=1e-4, what=name)
+    assert_close_verbose(got[3], want[3], atol=1e-5, rtol=1e-4, what="grad")
+    assert bool((got[3][1] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_half_precision_against_fp32_reference(dtype, single_pass):
+    inp = make_inputs(4, 3, 4099, seed=5, dtype=dtype, device=DEV)  # 4099 > one 4096-wide chunk
+    got = run(triton, inp, samples_per_prompt=2, single_pass=single_pass)
+    ref = {**inp, "policy_logits": inp["policy_logits"].float(), "ref_logits": inp["ref_logits"].float()}
+    want = run(native, ref, samples_per_prompt=2)
+    atol, rtol = TOL[dtype]
+    assert got[3].dtype == dtype and got[0].dtype == torch.float32
+    assert_close_verbose(got[0], want[0], atol=atol, rtol=rtol, what="loss")
+    assert_close_verbose(got[3].float(), want[3], atol=atol * 1e-2, rtol=rtol, what="grad")
+
+
+def test_single_pass_equals_two_pass():
+    inp = make_inputs(4, 6, 129, seed=8, device=DEV)
+    one = run(triton, inp, samples_per_prompt=4, single_pass=True)
+    two = run(triton, inp, samples_per_prompt=4, single_pass=False)
+    for name, a, b in zip(("loss", "policy_loss", "kl"), one[:3], two[:3]):
+        assert_bitwise_equal(a, b, name)  # the same kernel log-probs, the same torch reductions
+    assert_close_verbose(one[3], two[3], atol=1e-7, rtol=1e-5, what="grad")
+
+
+def test_inplace_writes_the_gradient_into_the_logits():
+    inp = make_inputs(4, 3, 50, seed=9, device=DEV)
+    want = run(triton, inp, samples_per_prompt=2)
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    loss, _, _ = triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, inplace=True)
+    assert_bitwise_equal(x.detach(), want[3], "logits storage now holds the gradient")
+    loss.backward()
+    assert_bitwise_equal(x.grad, want[3], "grad")
+    with pytest.raises(ValueError, match="inplace: only the single-pass mode"):
+        triton(**inp, samples_per_prompt=2, inplace=True)  # no grad wanted: no single pass
+
+
+def test_masked_tokens_are_never_read():
+    inp = make_inputs(4, 5, 40, seed=11, device=DEV)
+    mask = inp["completion_mask"]
+    base = run(triton, inp, samples_per_prompt=2)
+    junk = dict(inp)
+    junk["policy_logits"] = torch.where(mask[..., None], inp["policy_logits"], float("nan"))
+    junk["ref_logits"] = torch.where(mask[..., None], inp["ref_logits"], float("inf"))
+    junk["action_ids"] = torch.where(mask, inp["action_ids"], -100)
+    junk["old_logps"] = torch.where(mask, inp["old_logps"], float("nan"))
+    got = run(triton, junk, samples_per_prompt=2)
+    for name, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, base):
+        assert_bitwise_equal(a, b, name)
+    assert bool((got[3][~mask].view(torch.int32) == 0).all())
+
+
+def test_ratio_kl_matches_native():
+    inp = make_inputs(3, 4, 77, seed=2, device=DEV)
+    args = (inp["policy_logits"], inp["ref_logits"], inp["action_ids"], inp["completion_mask"], inp["old_logps"])
+    r1, k1 = kernel_registry.get_op("ratio_kl", backend="triton")(*args)
+    r2, k2 = kernel_registry.get_op("ratio_kl", backend="native")(*args)
+    assert_close_verbose(r1, r2, atol=1e-5, rtol=1e-5, what="ratio")
+    assert_close_verbose(k1, k2, atol=1e-5, rtol=1e-5, what="kl")
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    y = inp["policy_logits"].clone().requires_grad_(True)
+    kernel_registry.get_op("ratio_kl", backend="triton")(x, *args[1:])[0].sum().backward()
+    kernel_registry.get_op("ratio_kl", backend="native")(y, *args[1:])[0].sum().backward()
+    assert_close_verbose(x.grad, y.grad, atol=1e-5, rtol=1e-4, what="d ratio / d logits")
+
+
+@pytest.mark.parametrize("std", list(AdvantageStd))
+def test_group_norm_any_group_size(std):
+    from grpo_core.triton.group_norm import group_advantages
+    bounds = (0, 2, 1029, 1032, 3100) if std is not AdvantageStd.NONE else (0, 1, 1029, 1032, 3100)
+    r = torch.randn(3100, generator=torch.Generator().manual_seed(0)).to(DEV) * 3 + 1
+    assert_close_verbose(group_advantages(r, bounds, std), native_advantages(r, bounds, std), atol=1e-5, rtol=1e-5,
+                         what=std.value)
+
+
+def test_bad_ids_raise_without_reading_out_of_bounds():
+    inp = make_inputs(2, 3, 17, seed=1, device=DEV)
+    inp["action_ids"][1, 0] = 17
+    with pytest.raises(LossContractError, match=r"action_ids: expected ids in \[0, 17\)"):
+        triton(**inp, samples_per_prompt=2)
+    inp["action_ids"][1, 0] = 0
+    inp["rewards"][0] = float("inf")
+    with pytest.raises(LossContractError, match="rewards: expected finite values"):
+        triton(**inp, samples_per_prompt=2)
+
+
+def test_t_equals_one_and_all_masked():
+    inp = make_inputs(2, 1, 33, seed=4, device=DEV)
+    got, want = run(triton, inp, samples_per_prompt=2), run(native, inp, samples_per_prompt=2)
+    assert_close_verbose(got[0], want[0], atol=1e-5, rtol=1e-4, what="loss")
+    inp["completion_mask"][:] = False
+    got = run(triton, inp, samples_per_prompt=2)
+    assert got[0].item() == 0.0 and bool((got[3] == 0).all())
+
+
+def test_registry_auto_never_picks_triton_for_cpu_tensors():
+    inp = make_inputs(2, 2, 9, seed=0)
+    auto = kernel_registry.get_op("grpo_loss")
+    auto(**inp, samples_per_prompt=2)
+    assert auto.last_backend == "native" and "CUDA tensors" in auto.last_rejected["triton"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+class TestCompiledOnGPU:
+    def test_largest_vocab_and_long_sequence(self):
+        inp = make_inputs(2, 64, 151936, seed=0, device="cuda", dtype=torch.bfloat16)
+        got, want = run(triton, inp, samples_per_prompt=2), run(native, inp, samples_per_prompt=2)
+        assert_close_verbose(got[0], want[0], atol=1e-3, rtol=1e-3, what="loss")
+        assert_close_verbose(got[3].float(), want[3].float(), atol=1e-4, rtol=1e-2, what="grad")
+        long = make_inputs(1, 70000, 64, seed=1, device="cuda")  # > 65535 tokens on one grid axis
+        long["rewards"] = torch.randn(2, device="cuda")
+        long = {k: torch.cat([v, v]) if k != "rewards" else v for k, v in long.items()}
+        got, want = run(triton, long, samples_per_prompt=2), run(native, long, samples_per_prompt=2)
+        assert_close_verbose(got[0], want[0], atol=1e-4, rtol=1e-4, what="long loss")
+
+    def test_torch_compile_fullgraph_and_opcheck(self):
+        from grpo_core.triton.grpo_loss import TritonGRPOLossOp
+        from grpo_core.triton.ratio_kl import token_logprobs
+        inp = make_inputs(4, 8, 1000, seed=2, device="cuda")
+        op = TritonGRPOLossOp()
+        for single in (True, False):
+            compiled = torch.compile(lambda x: op(**{**inp, "policy_logits": x}, samples_per_prompt=2,
+                                                  single_pass=single)[0], fullgraph=True)
+            x = inp["policy_logits"].clone().requires_grad_(True)
+            loss = compiled(x)
+            loss.backward()
+            want = run(native, inp, samples_per_prompt=2)
+            assert_close_verbose(loss, want[0], atol=1e-4, rtol=1e-4, what=f"compiled loss single={single}")
+            assert_close_verbose(x.grad, want[3], atol=1e-5, rtol=1e-4, what=f"compiled grad single={single}")
+        mask8 = inp["completion_mask"].view(torch.int8)
+        torch.library.opcheck(token_logprobs, (inp["policy_logits"].requires_grad_(True), inp["ref_logits"],
+                                               inp["action_ids"], mask8))
+
+    def test_sgd_step_lowers_the_loss(self):
+        inp = make_inputs(8, 16, 5000, seed=3, device="cuda", dtype=torch.bfloat16)
+        loss, _, _, grad = run(triton, inp, samples_per_prompt=4)
+        stepped = (inp["policy_logits"].float() - 0.5 * grad.float() / grad.float().norm()).to(torch.bfloat16)
+        after = triton(**{**inp, "policy_logits": stepped}, samples_per_prompt=4)[0]
+        assert after.item() < loss.item()
