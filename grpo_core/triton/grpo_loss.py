@@ -33,7 +33,8 @@ def _launch_single_pass(launch, policy, ref, ids, mask, old, adv, weight, grad, 
     out = torch.empty(3, N, dtype=torch.float32, device=x.device)
     err = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch(_logprob_fwd_kernel)[(N,)](
-        x, r, ids.reshape(-1), mask.reshape(-1), out, err, old.reshape(-1), adv, weight, g, N, policy.shape[1], V,
+        x, r, ids.contiguous().view(-1), mask.contiguous().view(-1), out, err, old.contiguous().view(-1), adv,
+        weight, g, N, policy.shape[1], V,
         x.stride(0), r.stride(0), g.stride(0), clip_low, clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=True,
         BLOCK=_block(V), num_warps=NUM_WARPS)
     return out, err

@@ -8,6 +8,8 @@ read no logits. `_logprob_grad_kernel` is the classic second pass (two-pass mode
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -16,24 +18,34 @@ from torch.library import triton_op, wrap_triton
 from ..contract import check_inputs
 from ..native.ratio_kl import ratio_and_kl
 
-BLOCK_V = 4096  # vocabulary chunk per loop iteration
-NUM_WARPS = 8
+BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 4096))  # vocabulary chunk per loop iteration
+NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 8))
 
 
 @triton.jit
-def _row_lse(row_ptr, V, BLOCK: tl.constexpr):
-    """Online log-sum-exp of one row in fp32: one exp per element, one rescale per chunk."""
+def _online_update(x, m, s):
+    m_new = tl.maximum(m, tl.max(x, 0))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of -inf logits adds 0, not NaN
+    return m_new, s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
+
+
+@triton.jit
+def _rows_lse(x_row_ptr, r_row_ptr, V, HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
+    """Online log-sum-exp of the policy row (and the reference row, in the same loop) in fp32: one exp per
+    element, one rescale per chunk. Both rows stream together, so twice the bytes are in flight per step."""
     cols = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
+    m_ref = tl.full((), float("-inf"), tl.float32)
+    s_ref = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + cols
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of -inf logits adds 0, not NaN
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
-        m = m_new
-    return m + tl.log(s)
+        x = tl.load(x_row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        if HAS_REF:
+            r = tl.load(r_row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            m_ref, s_ref = _online_update(r, m_ref, s_ref)
+        m, s = _online_update(x, m, s)
+    return m + tl.log(s), m_ref + tl.log(s_ref)
 
 
 @triton.jit
@@ -75,14 +87,13 @@ def _logprob_fwd_kernel(
     valid = (action >= 0) & (action < V)
     tl.store(err_ptr, 1, mask=active & ~valid)
     active = active & valid
-    logp = 0.0
-    logp_ref = 0.0
-    lse = 0.0
+    logp = tl.zeros((), tl.float32)
+    logp_ref = tl.zeros((), tl.float32)
+    lse = tl.zeros((), tl.float32)
     if active:
-        lse = _row_lse(x_ptr + row * stride_x, V, BLOCK)
+        lse, lse_ref = _rows_lse(x_ptr + row * stride_x, r_ptr + row * stride_r, V, HAS_REF, BLOCK)
         logp = tl.load(x_ptr + row * stride_x + action).to(tl.float32) - lse
         if HAS_REF:
-            lse_ref = _row_lse(r_ptr + row * stride_r, V, BLOCK)
             logp_ref = tl.load(r_ptr + row * stride_r + action).to(tl.float32) - lse_ref
     tl.store(out_ptr + row, logp)
     tl.store(out_ptr + N + row, logp_ref)
@@ -137,7 +148,7 @@ def token_logprobs(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Te
     x = _rows(policy)
     r = _rows(ref) if ref is not None else x
     N, V = x.shape
-    ids, mask = ids.reshape(-1), mask.reshape(-1)
+    ids, mask = ids.contiguous().view(-1), mask.contiguous().view(-1)
     out = torch.empty(3, N, dtype=torch.float32, device=x.device)
     err = torch.zeros(1, dtype=torch.int32, device=x.device)
     wrap_triton(_logprob_fwd_kernel)[(N,)](
@@ -154,7 +165,8 @@ def token_logprob_grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tens
     N, V = x.shape
     grad = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
     wrap_triton(_logprob_grad_kernel)[(N,)](
-        x, ids.reshape(-1), mask.reshape(-1), lse.contiguous(), coef.reshape(-1).float().contiguous(), grad, V,
+        x, ids.contiguous().view(-1), mask.contiguous().view(-1), lse.contiguous(), coef.float().contiguous().view(-1),
+        grad, V,
         x.stride(0), grad.stride(0), BLOCK=_block(V), num_warps=NUM_WARPS)
     return grad.view(policy.shape)
 

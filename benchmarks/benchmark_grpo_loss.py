@@ -1,0 +1,112 @@
+"""GRPO loss forward and forward+backward against the memory-bandwidth floors measured in the same run.
+
+    python benchmarks/benchmark_grpo_loss.py --configs "4,8,256,32768;2,8,1024,151936" --dtype bf16
+
+Floors (E = bytes of one logits tensor, a = active-token fraction, BW = measured copy bandwidth):
+forward 2aE/BW; forward+backward single-pass (2a+1)E/BW (the Triton default); two-pass (3a+1)E/BW.
+Baselines: native eager, torch.compile of the native op, Liger-Kernel's triton_grpo_loss when importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import append, copy_bandwidth, make_inputs, markdown, parse_configs, provenance, timed  # noqa
+from grpo_core import kernel_registry  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def backends(spp: int, skip: set[str]) -> dict:
+    triton_op = kernel_registry.get_op("grpo_loss", backend="triton")
+    native = kernel_registry.get_op("grpo_loss", backend="native")
+    out = {
+        "triton": lambda inp, single=True: triton_op(**inp, samples_per_prompt=spp, single_pass=single)[0],
+        "triton_two_pass": lambda inp, single=False: triton_op(**inp, samples_per_prompt=spp, single_pass=False)[0],
+        "native": lambda inp: native(**inp, samples_per_prompt=spp)[0],
+    }
+    if "compile" not in skip:
+        compiled = torch.compile(lambda inp: native(**inp, samples_per_prompt=spp)[0])
+        out["torch_compile"] = compiled
+    try:
+        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        def liger(inp):
+            # Liger takes [B, T+1, V] logits (shifted by one) and the reference log-probs from a second kernel.
+            ref_logp = fused_selective_log_softmax(inp["liger_ref"], inp["action_ids"], 1.0, inp["completion_mask"])
+            B = inp["rewards"].shape[0]
+            r = inp["rewards"].view(-1, spp)
+            adv = ((r - r.mean(1, keepdim=True)) / r.std(1, keepdim=True).clamp(min=1e-6)).view(B)
+            loss, _ = triton_grpo_loss(inp["liger_policy"], inp["old_logps"], ref_logp, inp["action_ids"], adv,
+                                       inp["completion_mask"].float(), temperature=1.0, beta=0.04, eps_low=0.2,
+                                       eps_high=0.2, inplace=False, loss_type="bnpo", reduce=True)
+            return loss
+        out["liger"] = liger
+    except ImportError:
+        pass
+    return {k: v for k, v in out.items() if k not in skip}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="4,8,256,32768;4,8,256,50257;4,8,256,131072;2,8,1024,151936")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--active", type=float, default=0.9)
+    p.add_argument("--skip", default="", help="comma-separated backends to skip (e.g. compile,native)")
+    p.add_argument("--out", default="grpo_loss")
+    args = p.parse_args()
+    dtype, skip, prov, rows = DTYPES[args.dtype], set(filter(None, args.skip.split(","))), provenance(), []
+    for P, S, L, V in parse_configs(args.configs):
+        B, T = P * S, L
+        inp = make_inputs(B, T, V, dtype, args.active)
+        E = inp["policy_logits"].numel() * inp["policy_logits"].element_size()
+        a = inp["completion_mask"].float().mean().item()
+        bw = copy_bandwidth(E)
+        floors = {"fwd": 2 * a * E / bw * 1e3, "fwd_bwd": (2 * a + 1) * E / bw * 1e3,
+                  "fwd_bwd_two_pass": (3 * a + 1) * E / bw * 1e3}
+        for name, fn in backends(S, skip).items():
+            if name == "liger":
+                inp["liger_policy"] = torch.cat([inp["policy_logits"], inp["policy_logits"][:, :1]], 1)
+                inp["liger_ref"] = torch.cat([inp["ref_logits"], inp["ref_logits"][:, :1]], 1)
+            for mode in ("fwd", "fwd_bwd"):
+                x = (inp["liger_policy"] if name == "liger" else inp["policy_logits"]).detach()
+                x.requires_grad_(mode == "fwd_bwd")
+                key = "liger_policy" if name == "liger" else "policy_logits"
+                call = {**inp, key: x}
+                if mode == "fwd":
+                    def run(call=call, fn=fn):
+                        with torch.no_grad():
+                            fn(call)
+                else:
+                    def run(call=call, fn=fn):
+                        fn(call).backward()
+                try:
+                    p50, p20, p80, peak = timed(run, grad_to_none=[x] if mode == "fwd_bwd" else None)
+                except torch.OutOfMemoryError:
+                    print(f"{name} {mode} V={V}: out of memory", file=sys.stderr)
+                    continue
+                floor = floors["fwd" if mode == "fwd" else "fwd_bwd"]
+                rows.append(dict(op="grpo_loss", backend=name, mode=mode, config=f"{P},{S},{L},{V}", B=B, T=T, V=V,
+                                 dtype=args.dtype, active=a, p50_ms=p50, p20_ms=p20, p80_ms=p80, peak_extra_mib=peak,
+                                 floor_ms=floor, ratio_to_floor=p50 / floor,
+                                 two_pass_floor_ms=floors["fwd_bwd_two_pass"], copy_bw_tbps=bw / 1e12,
+                                 bw_tbps=(2 * a * E if mode == "fwd" else (2 * a + 1) * E) / (p50 * 1e-3) / 1e12,
+                                 logits_gib=E / 2**30, **prov))
+                print(f"{name:16s} {mode:8s} V={V:6d} p50 {p50:8.3f} ms  floor {floor:7.3f}  x{p50 / floor:5.2f}  "
+                      f"peak {peak:9.1f} MiB", flush=True)
+            inp.pop("liger_policy", None), inp.pop("liger_ref", None)
+        del inp
+        torch.cuda.empty_cache()
+    path = append(rows, args.out)
+    print(markdown(rows))
+    print(f"appended {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()
