@@ -195,7 +195,9 @@ def check_values_after(err: torch.Tensor, policy_logits, ref_logits, action_ids,
         bad = bad | ~torch.isfinite(rewards).all()
     if completion_mask.dtype != torch.bool:
         bad = bad | ((completion_mask != 0) & (completion_mask != 1)).any()
-    if bool(bad):
+    if torch.compiler.is_compiling():  # no Python branch on device data inside a graph: a device-side assert
+        torch._assert_async(~bad, "grpo_core: bad action_ids, rewards or completion_mask (run eagerly for details)")
+    elif bool(bad):
         check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta)
 
 
