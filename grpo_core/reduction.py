@@ -40,7 +40,7 @@ def tree_max(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def _div(total: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:
     # Divide by a device tensor, not a Python scalar: CUDA turns scalar division into a reciprocal multiply.
     if not isinstance(count, torch.Tensor):
-        count = torch.tensor(float(count), device=total.device)
+        count = torch.full((), float(count), device=total.device)  # a fill, not a blocking host-to-device copy
     return total / count.to(total.dtype)
 
 

@@ -35,7 +35,7 @@ def combine(per_seq_policy: torch.Tensor, per_seq_kl: torch.Tensor, counts: torc
     """`loss = N(policy) + beta * N(kl)`; returns `(loss, policy_loss, kl)` with the last two detached."""
     policy_loss = normalize(per_seq_policy, counts, normalizer, constant)
     kl = normalize(per_seq_kl, counts, normalizer, constant)
-    loss = policy_loss + torch.tensor(beta, dtype=torch.float32, device=kl.device) * kl
+    loss = policy_loss + torch.full((), beta, dtype=torch.float32, device=kl.device) * kl
     return loss, policy_loss.detach(), kl.detach()
 
 

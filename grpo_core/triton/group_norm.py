@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -55,7 +57,13 @@ def _group_advantages(rewards: torch.Tensor, bounds: torch.Tensor, mode: int) ->
     return adv
 
 
+@functools.lru_cache(maxsize=64)
+def _bounds(group_boundaries: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Cached: a host-to-device copy from pageable memory would wait for the whole stream on every call.
+    return torch.tensor(group_boundaries, dtype=torch.int64, device=device)
+
+
 def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
     """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group; fp32 `[S]`."""
-    bounds = torch.tensor(group_boundaries, dtype=torch.int64, device=rewards.device)
+    bounds = _bounds(tuple(group_boundaries), rewards.device)
     return _group_advantages(rewards.to(torch.float32).contiguous(), bounds, _MODES[std])

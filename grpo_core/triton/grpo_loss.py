@@ -2,13 +2,14 @@
 
 Single-pass mode (the default when `policy_logits` requires grad): the advantages and the normalizer weights are
 known before the pass, so the kernel computes each token's `d loss / d logp` right after its log-sum-exp and
-writes the gradient `g * (onehot - softmax)` in the same program. Forward + backward then reads every active
+writes the gradient `coef * (onehot - softmax)` in the same program. Forward + backward then reads every active
 policy and reference row once from HBM (the gradient loop re-reads the policy row from L2) and writes the
-gradient once; the backward only applies `grad_output`. Memory: the gradient (logits dtype, `B*T*V`) is
-allocated during the forward and held until the backward, where the two-pass mode allocates it in the
-backward; both hold one gradient at the peak. `inplace=True` writes it into `policy_logits`' own storage
-(eager only; the logits are overwritten). Two-pass mode (`single_pass=False`): the forward streams the rows once
-for the log-probs and the backward streams the policy rows again to write the gradient.
+gradient once; the backward only hands it over (scaled when `grad_output != 1`). Memory: the gradient (logits
+dtype, `B*T*V`) is allocated during the forward and held until the backward, while the two-pass mode allocates
+it in the backward; at the peak both hold one gradient. `inplace=True` writes it into `policy_logits`' own
+storage (eager only; the logits are overwritten). Two-pass mode (`single_pass=False`): the forward streams the
+rows once for the log-probs; the backward streams the policy rows again and computes the same coefficient.
+After the row kernel, one small kernel per sequence forms the token sums; the normalizer is the native one.
 """
 
 from __future__ import annotations
@@ -16,55 +17,104 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ..contract import AdvantageStd, TokenNormalizer
-from ..native.grpo_loss import combine, grpo_terms, loss_options
+from ..native.grpo_loss import combine, loss_options
 from ..reduction import token_weights
 from .group_norm import group_advantages
-from .ratio_kl import NUM_WARPS, _block, _logprob_fwd_kernel, _rows, check_values_after, token_logprobs
+from .ratio_kl import check_values_after, flat, launch_forward, launch_grad
+
+BLOCK_T = 1024
 
 
-def _launch_single_pass(launch, policy, ref, ids, mask, old, adv, weight, grad, clip_low, clip_high, beta):
-    x = _rows(policy)
-    r = _rows(ref) if ref is not None else x
-    g = grad.view(x.shape)
-    N, V = x.shape
-    out = torch.empty(3, N, dtype=torch.float32, device=x.device)
-    err = torch.zeros(1, dtype=torch.int32, device=x.device)
-    launch(_logprob_fwd_kernel)[(N,)](
-        x, r, ids.contiguous().view(-1), mask.contiguous().view(-1), out, err, old.contiguous().view(-1), adv,
-        weight, g, N, policy.shape[1], V,
-        x.stride(0), r.stride(0), g.stride(0), clip_low, clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=True,
-        BLOCK=_block(V), num_warps=NUM_WARPS)
-    return out, err
+@triton.jit
+def _sequence_sums_kernel(
+    out_ptr,  # fp32 [3, N] = logp, logp_ref, lse from the row kernel
+    old_ptr,  # old log-probs [N] fp32
+    adv_ptr,  # advantages [B] fp32
+    mask_ptr,  # completion mask [N]
+    ids_ptr,  # action ids [N] (tokens with an out-of-range id count as masked; the call raises afterwards)
+    seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL
+    B, T, V, clip_low, clip_high,
+    # Meta-parameters
+    HAS_REF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    N = B * T
+    adv = tl.load(adv_ptr + b)
+    acc_policy = tl.zeros((BLOCK,), tl.float32)
+    acc_kl = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, T, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        row = b * T + t
+        inside = t < T
+        action = tl.load(ids_ptr + row, mask=inside, other=0)
+        active = (tl.load(mask_ptr + row, mask=inside, other=0) != 0) & (action >= 0) & (action < V)
+        logp = tl.load(out_ptr + row, mask=inside, other=0.0)
+        ratio = tl.exp(tl.where(active, logp - tl.load(old_ptr + row, mask=active, other=0.0), 0.0))
+        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+        acc_policy += tl.where(active, -tl.minimum(ratio * adv, clipped * adv), 0.0)
+        if HAS_REF:
+            d = tl.where(active, tl.load(out_ptr + N + row, mask=inside, other=0.0) - logp, 0.0)
+            acc_kl += tl.exp(d) - d - 1.0
+    tl.store(seq_ptr + b, tl.sum(acc_policy, 0))
+    tl.store(seq_ptr + B + b, tl.sum(acc_kl, 0))
 
 
-@triton_op("grpo_core::grpo_single_pass", mutates_args={})
-def grpo_single_pass(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
-                     old: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor, clip_low: float, clip_high: float,
-                     beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(out [3, N] = logp, logp_ref, lse, err [1], grad [B, T, V])` with `grad = d loss / d policy`."""
-    grad = torch.empty(policy.shape, dtype=policy.dtype, device=policy.device)
-    out, err = _launch_single_pass(wrap_triton, policy, ref, ids, mask, old, adv, weight, grad, clip_low, clip_high,
-                                   beta)
-    return out, err, grad
+def _sequence_sums(launch, out, old, adv, mask, ids, B, T, V, clip_low, clip_high, has_ref) -> torch.Tensor:
+    seq = torch.empty(2, B, dtype=torch.float32, device=out.device)
+    launch(_sequence_sums_kernel)[(B,)](out, flat(old), adv, flat(mask), flat(ids), seq, B, T, V, clip_low, clip_high,
+                                        HAS_REF=has_ref, BLOCK=min(BLOCK_T, triton.next_power_of_2(T)))
+    return seq
 
 
-class _AttachGradient(torch.autograd.Function):
-    """Returns the precomputed loss; its backward is the precomputed gradient times `grad_output`."""
+@triton_op("grpo_core::grpo_forward", mutates_args={})
+def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
+                 old: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor, clip_low: float, clip_high: float,
+                 beta: float, single_pass: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(out [3, N], err [1], seq [2, B], grad)`: per-token log-probs, the id error flag, per-sequence token sums,
+    and in single-pass mode `d loss / d policy` (else an empty tensor)."""
+    B, T, V = policy.shape
+    grad = torch.empty(policy.shape if single_pass else (0,), dtype=policy.dtype, device=policy.device)
+    out, err = launch_forward(wrap_triton, policy, ref, ids, mask, old, adv, weight, grad if single_pass else None,
+                              clip_low, clip_high, beta)
+    seq = _sequence_sums(wrap_triton, out, old, adv, mask, ids, B, T, V, clip_low, clip_high, ref is not None)
+    return out, err, seq, grad
+
+
+@triton_op("grpo_core::grpo_backward", mutates_args={})
+def grpo_backward(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, old: torch.Tensor,
+                  adv: torch.Tensor, weight: torch.Tensor, grad_loss: torch.Tensor, clip_low: float, clip_high: float,
+                  beta: float, has_ref: bool) -> torch.Tensor:
+    """Two-pass backward: the gradient from a second stream over the policy rows."""
+    return launch_grad(wrap_triton, policy, ids, mask, out, grad_loss.reshape(1), old, adv, weight, clip_low,
+                       clip_high, beta, has_ref)
+
+
+class _GRPOLoss(torch.autograd.Function):
+    """Forward: the loss from the kernels' outputs. Backward: the precomputed gradient (single pass) or a
+    second pass over the policy rows (two pass), scaled by `grad_output` in either case."""
 
     @staticmethod
-    def forward(ctx, policy: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(grad)
+    def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, opts):
+        ctx.opts = opts
+        ctx.save_for_backward(policy, grad, ids, mask, out, old, adv, weight)
         return loss.clone()
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        if not torch.compiler.is_compiling() and bool(grad_loss == 1.0):  # the usual loss.backward(): no extra pass
-            return grad, None, None
-        return grad * grad_loss.to(grad.dtype), None, None
+    def backward(ctx, grad_loss):
+        policy, grad, ids, mask, out, old, adv, weight = ctx.saved_tensors
+        if grad.numel() == 0:  # two pass
+            clip_low, clip_high, beta, has_ref = ctx.opts
+            grad = grpo_backward(policy, ids, mask, out, old, adv, weight, grad_loss.float(), clip_low, clip_high,
+                                 beta, has_ref)
+        elif torch.compiler.is_compiling() or not bool(grad_loss == 1.0):  # loss.backward(): no extra pass
+            grad = grad * grad_loss.to(grad.dtype)
+        return (grad,) + (None,) * 9
 
 
 class TritonGRPOLossOp:
@@ -85,30 +135,27 @@ class TritonGRPOLossOp:
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, values=False)
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
-        single = wants_grad if single_pass is None else bool(single_pass) and wants_grad
+        single = wants_grad and (single_pass is None or bool(single_pass))
         if inplace and not single:
             raise ValueError("inplace: only the single-pass mode can write the gradient into policy_logits "
                              "(it needs policy_logits.requires_grad and single_pass not False)")
-        B, T, _ = policy_logits.shape
-        mask8 = o.mask.view(torch.int8)
+        B, T, V = policy_logits.shape
         old = old_logps.float()
         adv = group_advantages(rewards, o.groups, o.std)
-        if single:
-            weight = token_weights(o.mask.sum(-1), o.normalizer, o.constant)
-            if inplace:
-                grad = policy_logits.detach()
-                out, err = _launch_single_pass(lambda k: k, grad, ref_logits, action_ids, mask8, old, adv, weight,
-                                               grad, o.clip_eps, o.clip_eps_high, o.beta)
-            else:
-                out, err, grad = grpo_single_pass(policy_logits.detach(), ref_logits, action_ids, mask8, old, adv,
-                                                  weight, o.clip_eps, o.clip_eps_high, o.beta)
+        counts = o.mask.sum(-1)
+        weight = token_weights(counts, o.normalizer, o.constant)
+        clip = (o.clip_eps, o.clip_eps_high, o.beta)
+        x = policy_logits.detach()
+        if inplace:
+            out, err = launch_forward(lambda k: k, x, ref_logits, action_ids, o.mask, old, adv, weight, x, *clip)
+            seq = _sequence_sums(lambda k: k, out, old, adv, o.mask, action_ids, B, T, V, o.clip_eps,
+                                 o.clip_eps_high, ref_logits is not None)
+            grad = x
         else:
-            out, err = token_logprobs(policy_logits, ref_logits, action_ids, mask8)
-        logp = out[0].view(B, T)
-        logp_ref = out[1].view(B, T).detach() if ref_logits is not None else None
-        per_seq_policy, per_seq_kl, counts = grpo_terms(logp, logp_ref, old, o.mask, adv, o.clip_eps, o.clip_eps_high)
-        loss, policy_loss, kl = combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer, o.constant)
+            out, err, seq, grad = grpo_forward(x, ref_logits, action_ids, o.mask, old, adv, weight, *clip, single)
+        loss, policy_loss, kl = combine(seq[0], seq[1], counts, o.beta, o.normalizer, o.constant)
         check_values_after(err, policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, o.beta)
-        if single:
-            loss = _AttachGradient.apply(policy_logits, loss.detach(), grad)
+        if wants_grad:
+            loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, o.mask, out, old, adv, weight,
+                                   (*clip, ref_logits is not None))
         return loss, policy_loss, kl

@@ -1,9 +1,10 @@
 """Per-token log-probs of the policy and the reference from one streaming pass over the vocabulary.
 
-`_logprob_fwd_kernel` reads each active token's policy row and reference row once (online max / sum-exp in fp32,
-one exp per element) and, in single-pass mode, computes the GRPO gradient coefficient of the token and writes
-`g * (onehot - softmax)` in the same program, re-reading the policy row while it is still in L2. Masked tokens
-read no logits. `_logprob_grad_kernel` is the classic second pass (two-pass mode and the `ratio_kl` backward).
+`_logprob_fwd_kernel` reads each active token's policy row and reference row once, together (online max /
+sum-exp in fp32, one exp per element) and, in single-pass mode, computes the token's GRPO gradient coefficient
+and writes `coef * (onehot - softmax)` in the same program, re-reading the policy row while it is still in L2.
+Masked tokens (and tokens whose id is out of range, which raise afterwards) read no logits.
+`_logprob_grad_kernel` is the classic second pass (two-pass mode and the `ratio_kl` backward).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from torch.library import triton_op, wrap_triton
 from ..contract import check_inputs
 from ..native.ratio_kl import ratio_and_kl
 
-BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 4096))  # vocabulary chunk per loop iteration
-NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 8))
+BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 8192))  # vocabulary chunk per loop iteration
+NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 16))
 
 
 @triton.jit
@@ -36,8 +37,11 @@ def _rows_lse(x_row_ptr, r_row_ptr, V, HAS_REF: tl.constexpr, BLOCK: tl.constexp
     cols = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
-    m_ref = tl.full((), float("-inf"), tl.float32)
-    s_ref = tl.zeros((), tl.float32)
+    m_ref = tl.zeros((), tl.float32)
+    s_ref = tl.full((), 1.0, tl.float32)
+    if HAS_REF:
+        m_ref = tl.full((), float("-inf"), tl.float32)
+        s_ref = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + cols
         x = tl.load(x_row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -49,16 +53,28 @@ def _rows_lse(x_row_ptr, r_row_ptr, V, HAS_REF: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
+def _token_coef(logp, logp_ref, old, adv, weight, clip_low, clip_high, beta, HAS_REF: tl.constexpr):
+    """d loss / d logp of one token: `weight * (d policy / d logp + beta * d kl / d logp)`."""
+    ratio = tl.exp(logp - old)
+    unclipped = ratio * adv
+    clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
+    coef = tl.where(unclipped <= clipped, -unclipped, 0.0)  # the clipped branch is flat in logp
+    if HAS_REF:
+        coef += beta * (1.0 - tl.exp(logp_ref - logp))
+    return coef * weight
+
+
+@triton.jit
 def _write_grad(x_row_ptr, g_row_ptr, V, lse, coef, action, active, BLOCK: tl.constexpr):
     """`coef * (onehot(action) - exp(x - lse))` in the gradient's dtype; exact zeros when not active."""
     cols = tl.arange(0, BLOCK)
+    limit = tl.where(active, V, 0)  # an inactive row reads nothing
     for start in range(0, V, BLOCK):
         offs = start + cols
-        inside = offs < V
-        x = tl.load(x_row_ptr + offs, mask=offs < tl.where(active, V, 0), other=0.0).to(tl.float32)
+        x = tl.load(x_row_ptr + offs, mask=offs < limit, other=0.0).to(tl.float32)
         grad = coef * (tl.where(offs == action, 1.0, 0.0) - tl.exp(x - lse))
         grad = tl.where(active, grad, 0.0)
-        tl.store(g_row_ptr + offs, grad.to(g_row_ptr.dtype.element_ty), mask=inside)
+        tl.store(g_row_ptr + offs, grad.to(g_row_ptr.dtype.element_ty), mask=offs < V)
 
 
 @triton.jit
@@ -99,16 +115,9 @@ def _logprob_fwd_kernel(
     tl.store(out_ptr + N + row, logp_ref)
     tl.store(out_ptr + 2 * N + row, lse)
     if SINGLE_PASS:
-        # d loss / d logp of this token: w * (d policy / d logp + beta * d kl / d logp).
         seq = row // T
-        adv = tl.load(adv_ptr + seq)
-        ratio = tl.exp(logp - tl.load(old_ptr + row))
-        unclipped = ratio * adv
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
-        coef = tl.where(unclipped <= clipped, -unclipped, 0.0)
-        if HAS_REF:
-            coef += beta * (1.0 - tl.exp(logp_ref - logp))
-        coef = coef * tl.load(w_ptr + seq)
+        coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), tl.load(adv_ptr + seq), tl.load(w_ptr + seq),
+                           clip_low, clip_high, beta, HAS_REF)
         _write_grad(x_ptr + row * stride_x, g_ptr + row * stride_g, V, lse, coef, action, active, BLOCK)
 
 
@@ -117,70 +126,102 @@ def _logprob_grad_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
     ids_ptr,  # action ids [N]
     mask_ptr,  # completion mask [N]
-    lse_ptr,  # policy log-sum-exp [N] fp32 from the forward
-    coef_ptr,  # d loss / d logp per token [N] fp32
+    out_ptr,  # fp32 [3, N] = logp, logp_ref, lse from the forward
+    coef_ptr,  # d loss / d logp per token [N] fp32 (COEF_FROM_PTR), else d loss / d loss [1] fp32
+    old_ptr,  # old log-probs [N] fp32 (GRPO coefficient)
+    adv_ptr,  # advantages [N // T] fp32 (GRPO coefficient)
+    w_ptr,  # normalizer weight per sequence [N // T] fp32 (GRPO coefficient)
     g_ptr,  # out: gradient [N, V], rows `stride_g` apart
-    V, stride_x, stride_g,
+    N, T, V, stride_x, stride_g,
+    clip_low, clip_high, beta,
     # Meta-parameters
+    COEF_FROM_PTR: tl.constexpr,
+    HAS_REF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     action = tl.load(ids_ptr + row).to(tl.int64)
     active = (tl.load(mask_ptr + row) != 0) & (action >= 0) & (action < V)
-    _write_grad(x_ptr + row * stride_x, g_ptr + row * stride_g, V, tl.load(lse_ptr + row), tl.load(coef_ptr + row),
-                action, active, BLOCK)
+    logp = tl.load(out_ptr + row)
+    lse = tl.load(out_ptr + 2 * N + row)
+    if COEF_FROM_PTR:
+        coef = tl.load(coef_ptr + row)
+    else:
+        seq = row // T
+        coef = _token_coef(logp, tl.load(out_ptr + N + row), tl.load(old_ptr + row), tl.load(adv_ptr + seq),
+                           tl.load(w_ptr + seq), clip_low, clip_high, beta, HAS_REF) * tl.load(coef_ptr)
+    _write_grad(x_ptr + row * stride_x, g_ptr + row * stride_g, V, lse, coef, action, active, BLOCK)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def rows(t: torch.Tensor) -> torch.Tensor:
     """`[B, T, V]` as `[N, V]` rows with unit column stride (a copy only when the layout demands one)."""
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _block(V: int) -> int:
+def flat(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1)
+
+
+def block(V: int) -> int:
     return min(BLOCK_V, triton.next_power_of_2(V))
+
+
+def launch_forward(launch, policy, ref, ids, mask, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
+                   clip_high=0.0, beta=0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one)."""
+    x = rows(policy)
+    r = rows(ref) if ref is not None else x
+    N, V = x.shape
+    out = torch.empty(3, N, dtype=torch.float32, device=x.device)
+    err = torch.zeros(1, dtype=torch.int32, device=x.device)
+    single = grad is not None
+    g = grad.view(N, V) if single else x
+    launch(_logprob_fwd_kernel)[(N,)](
+        x, r, flat(ids), flat(mask), out, err, flat(old) if single else out, adv if single else out,
+        weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0), g.stride(0), clip_low,
+        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, BLOCK=block(V), num_warps=NUM_WARPS)
+    return out, err
+
+
+def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight=None, clip_low=0.0, clip_high=0.0,
+                beta=0.0, has_ref=False) -> torch.Tensor:
+    """Second pass: the gradient `[B, T, V]` in the logits dtype. `coef` is per token `[B, T]`, or, with `old` /
+    `adv` / `weight`, the scalar `d loss / d loss` that scales the in-kernel GRPO coefficient."""
+    x = rows(policy)
+    N, V = x.shape
+    grad = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
+    from_ptr = old is None
+    launch(_logprob_grad_kernel)[(N,)](
+        x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old), out if from_ptr else adv,
+        out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high,
+        beta, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, BLOCK=block(V), num_warps=NUM_WARPS)
+    return grad.view(policy.shape)
 
 
 @triton_op("grpo_core::token_logprobs", mutates_args={})
 def token_logprobs(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out [3, N] = logp, logp_ref, lse, err [1])` for `[B, T, V]` logits; one pass over each active row."""
-    x = _rows(policy)
-    r = _rows(ref) if ref is not None else x
-    N, V = x.shape
-    ids, mask = ids.contiguous().view(-1), mask.contiguous().view(-1)
-    out = torch.empty(3, N, dtype=torch.float32, device=x.device)
-    err = torch.zeros(1, dtype=torch.int32, device=x.device)
-    wrap_triton(_logprob_fwd_kernel)[(N,)](
-        x, r, ids, mask, out, err, out, out, out, x, N, 1, V, x.stride(0), r.stride(0), 0,
-        0.0, 0.0, 0.0, HAS_REF=ref is not None, SINGLE_PASS=False, BLOCK=_block(V), num_warps=NUM_WARPS)
-    return out, err
+    return launch_forward(wrap_triton, policy, ref, ids, mask)
 
 
 @triton_op("grpo_core::token_logprob_grad", mutates_args={})
-def token_logprob_grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor,
+def token_logprob_grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
                        coef: torch.Tensor) -> torch.Tensor:
     """`coef * (onehot - softmax(policy))` per token, `[B, T, V]` in the logits dtype; zeros on masked tokens."""
-    x = _rows(policy)
-    N, V = x.shape
-    grad = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
-    wrap_triton(_logprob_grad_kernel)[(N,)](
-        x, ids.contiguous().view(-1), mask.contiguous().view(-1), lse.contiguous(), coef.float().contiguous().view(-1),
-        grad, V,
-        x.stride(0), grad.stride(0), BLOCK=_block(V), num_warps=NUM_WARPS)
-    return grad.view(policy.shape)
+    return launch_grad(wrap_triton, policy, ids, mask, out, coef)
 
 
 def _setup(ctx, inputs, output):
     policy, _, ids, mask = inputs
-    out, _ = output
-    ctx.save_for_backward(policy, ids, mask, out[2])
+    ctx.save_for_backward(policy, ids, mask, output[0])
 
 
 def _backward(ctx, grad_out, grad_err):
-    policy, ids, mask, lse = ctx.saved_tensors
-    # Only logp (row 0) depends on the policy; logp_ref and lse are treated as constants of the loss.
-    return token_logprob_grad(policy, ids, mask, lse, grad_out[0]), None, None, None
+    policy, ids, mask, out = ctx.saved_tensors
+    # Only logp (row 0) depends on the policy; logp_ref and lse are constants of the loss.
+    return token_logprob_grad(policy, ids, mask, out, grad_out[0]), None, None, None
 
 
 token_logprobs.register_autograd(_backward, setup_context=_setup)
@@ -209,7 +250,6 @@ class TritonRatioKLOp:
     def __call__(self, policy_logits, ref_logits, action_ids, completion_mask, old_logps):
         mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, beta=1.0,
                             values=False)
-        out, err = token_logprobs(policy_logits, ref_logits, action_ids, mask.view(torch.int8))
+        out, err = token_logprobs(policy_logits, ref_logits, action_ids, mask)
         check_values_after(err, policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, 1.0)
-        shape = mask.shape
-        return ratio_and_kl(out[0].view(shape), out[1].view(shape), old_logps, mask)
+        return ratio_and_kl(out[0].view(mask.shape), out[1].view(mask.shape), old_logps, mask)
