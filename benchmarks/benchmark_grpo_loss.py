@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import append, copy_bandwidth, make_inputs, markdown, parse_configs, provenance, timed  # noqa
 from grpo_core import kernel_registry  # noqa: E402
+from grpo_core.triton.ratio_kl import BLOCK_V, NUM_STAGES, NUM_WARPS  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -97,7 +98,8 @@ def main() -> None:
                                  floor_ms=floor, ratio_to_floor=p50 / floor,
                                  two_pass_floor_ms=floors["fwd_bwd_two_pass"], copy_bw_tbps=bw / 1e12,
                                  bw_tbps=(2 * a * E if mode == "fwd" else (2 * a + 1) * E) / (p50 * 1e-3) / 1e12,
-                                 logits_gib=E / 2**30, **prov))
+                                 logits_gib=E / 2**30, triton_block_v=BLOCK_V, triton_num_warps=NUM_WARPS,
+                                 triton_num_stages=NUM_STAGES, **prov))
                 print(f"{name:16s} {mode:8s} V={V:6d} p50 {p50:8.3f} ms  floor {floor:7.3f}  x{p50 / floor:5.2f}  "
                       f"peak {peak:9.1f} MiB", flush=True)
             inp.pop("liger_policy", None), inp.pop("liger_ref", None)

@@ -27,6 +27,7 @@ def _group_norm_kernel(
     BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0)
+    floor = tl.cast(floor, tl.float32)  # Inductor passes fp64 scalars
     lo = tl.load(bounds_ptr + g)
     hi = tl.load(bounds_ptr + g + 1)
     n = (hi - lo).to(tl.float32)

@@ -25,7 +25,7 @@ from ..contract import AdvantageStd, TokenNormalizer
 from ..native.grpo_loss import combine, loss_options
 from ..reduction import token_weights
 from .group_norm import group_advantages
-from .ratio_kl import check_values_after, flat, launch_forward, launch_grad
+from .ratio_kl import _f32, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
 
@@ -44,6 +44,7 @@ def _sequence_sums_kernel(
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    clip_low, clip_high = _f32(clip_low), _f32(clip_high)  # Inductor passes fp64 scalars
     N = B * T
     adv = tl.load(adv_ptr + b)
     acc_policy = tl.zeros((BLOCK,), tl.float32)

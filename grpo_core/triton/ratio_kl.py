@@ -19,8 +19,16 @@ from torch.library import triton_op, wrap_triton
 from ..contract import check_inputs
 from ..native.ratio_kl import ratio_and_kl
 
-BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 8192))  # vocabulary chunk per loop iteration
-NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 16))
+# One program per token row. Few warps per row keep the per-chunk max / sum reductions inside a warp (shuffles,
+# no block barriers), and thousands of rows in flight keep HBM busy. Overridable for tuning sweeps.
+BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 2048))  # vocabulary chunk per loop iteration
+NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 1))
+NUM_STAGES = int(os.environ.get("GRPO_TRITON_NUM_STAGES", 4))
+
+
+@triton.jit
+def _f32(x):
+    return tl.cast(x, tl.float32)
 
 
 @triton.jit
@@ -98,6 +106,7 @@ def _logprob_fwd_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    clip_low, clip_high, beta = _f32(clip_low), _f32(clip_high), _f32(beta)  # Inductor passes fp64 scalars
     active = tl.load(mask_ptr + row) != 0
     action = tl.load(ids_ptr + row).to(tl.int64)
     valid = (action >= 0) & (action < V)
@@ -140,6 +149,7 @@ def _logprob_grad_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    clip_low, clip_high, beta = _f32(clip_low), _f32(clip_high), _f32(beta)  # Inductor passes fp64 scalars
     action = tl.load(ids_ptr + row).to(tl.int64)
     active = (tl.load(mask_ptr + row) != 0) & (action >= 0) & (action < V)
     logp = tl.load(out_ptr + row)
@@ -180,7 +190,8 @@ def launch_forward(launch, policy, ref, ids, mask, old=None, adv=None, weight=No
     launch(_logprob_fwd_kernel)[(N,)](
         x, r, flat(ids), flat(mask), out, err, flat(old) if single else out, adv if single else out,
         weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0), g.stride(0), clip_low,
-        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, BLOCK=block(V), num_warps=NUM_WARPS)
+        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, BLOCK=block(V), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return out, err
 
 
@@ -195,7 +206,7 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
     launch(_logprob_grad_kernel)[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old), out if from_ptr else adv,
         out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high,
-        beta, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, BLOCK=block(V), num_warps=NUM_WARPS)
+        beta, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return grad.view(policy.shape)
 
 
