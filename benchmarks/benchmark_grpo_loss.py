@@ -3,7 +3,8 @@
     python benchmarks/benchmark_grpo_loss.py --configs "4,8,256,32768;2,8,1024,151936" --dtype bf16
 
 Floors (E = bytes of one logits tensor, a = active-token fraction, BW = measured copy bandwidth):
-forward 2aE/BW; forward+backward single-pass (2a+1)E/BW (the Triton default); two-pass (3a+1)E/BW.
+forward 2aE/BW; forward+backward single-pass (2a+1)E/BW (`ratio_to_floor` always uses this one); two-pass
+(3a+1)E/BW (recorded as `two_pass_floor_ms`).
 Baselines: native eager, torch.compile of the native op, Liger-Kernel's triton_grpo_loss when importable.
 """
 
@@ -27,8 +28,9 @@ def backends(spp: int, skip: set[str]) -> dict:
     triton_op = kernel_registry.get_op("grpo_loss", backend="triton")
     native = kernel_registry.get_op("grpo_loss", backend="native")
     out = {
-        "triton": lambda inp, single=True: triton_op(**inp, samples_per_prompt=spp, single_pass=single)[0],
-        "triton_two_pass": lambda inp, single=False: triton_op(**inp, samples_per_prompt=spp, single_pass=False)[0],
+        "triton": lambda inp: triton_op(**inp, samples_per_prompt=spp)[0],  # default: single pass for short rows
+        "triton_single_pass": lambda inp: triton_op(**inp, samples_per_prompt=spp, single_pass=True)[0],
+        "triton_two_pass": lambda inp: triton_op(**inp, samples_per_prompt=spp, single_pass=False)[0],
         "native": lambda inp: native(**inp, samples_per_prompt=spp)[0],
     }
     if "compile" not in skip:

@@ -1,7 +1,7 @@
 """TritonGRPOLossOp: the GRPO loss from one streaming pass over each active row.
 
-Single-pass mode (the default when `policy_logits` requires grad): the advantages and the normalizer weights are
-known before the pass, so the kernel computes each token's `d loss / d logp` right after its log-sum-exp and
+Single-pass mode (the default for rows up to `SINGLE_PASS_MAX_ROW_BYTES`): the advantages and the normalizer
+weights are known before the pass, so the kernel computes each token's `d loss / d logp` right after its log-sum-exp and
 writes the gradient `coef * (onehot - softmax)` in the same program. Forward + backward then reads every active
 policy and reference row once from HBM (the gradient loop re-reads the policy row from L2) and writes the
 gradient once; the backward only hands it over (scaled when `grad_output != 1`). Memory: the gradient (logits
@@ -28,6 +28,10 @@ from .group_norm import group_advantages
 from .ratio_kl import _f32, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
+# Single pass pays off only while the gradient loop's re-read of a policy row hits L2. With thousands of rows in
+# flight, that holds for short rows: on the H200 (bf16, B*T = 8192) single pass won at 64 KiB rows (V = 32768),
+# tied at ~98 KiB and lost at 256-297 KiB (V = 131072, 151936), where both passes stream from HBM anyway.
+SINGLE_PASS_MAX_ROW_BYTES = 96 * 1024
 
 
 @triton.jit
@@ -120,7 +124,8 @@ class _GRPOLoss(torch.autograd.Function):
 
 class TritonGRPOLossOp:
     """Same call as the native op (`NativeGRPOLossOp.__call__`), plus `single_pass` (default: when the policy
-    logits require grad) and `inplace` (single-pass only: the gradient overwrites `policy_logits`)."""
+    logits require grad and a row is at most `SINGLE_PASS_MAX_ROW_BYTES`) and `inplace` (single-pass only: the
+    gradient overwrites `policy_logits`)."""
 
     backend = "triton"
 
@@ -136,7 +141,9 @@ class TritonGRPOLossOp:
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, values=False)
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
-        single = wants_grad and (single_pass is None or bool(single_pass))
+        if single_pass is None:
+            single_pass = inplace or policy_logits.shape[-1] * policy_logits.element_size() <= SINGLE_PASS_MAX_ROW_BYTES
+        single = wants_grad and bool(single_pass)
         if inplace and not single:
             raise ValueError("inplace: only the single-pass mode can write the gradient into policy_logits "
                              "(it needs policy_logits.requires_grad and single_pass not False)")

@@ -1,0 +1,26 @@
+"""The end-to-end GRPO example learns: reward rises well above its start, KL stays finite (both entry points)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from grpo_toy import train  # noqa: E402
+
+# Observed over seeds 0-5 at 40 steps (native, CPU): first-10 mean 0.22-0.26, last-10 mean 0.61-0.74, so a rise of
+# at least 0.36; the margin below leaves room for platform noise while a non-learning loop (rise ~0) fails.
+MARGIN = 0.2
+
+
+@pytest.mark.parametrize("contract", [False, True], ids=["get_op", "get_loss_op"])
+def test_reward_rises_and_kl_stays_finite(contract):
+    hist = train(steps=40, seed=1, contract=contract, progress=False)
+    first = sum(h["reward"] for h in hist[:10]) / 10
+    last = sum(h["reward"] for h in hist[-10:]) / 10
+    assert last > first + MARGIN, (first, last)
+    assert all(math.isfinite(h["kl"]) for h in hist)
+    assert any(h["clip_fraction"] > 0 for h in hist)  # several steps per rollout: clipping engages
