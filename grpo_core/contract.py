@@ -339,7 +339,8 @@ def check_groups(num_sequences: int, samples_per_prompt: Any, group_boundaries: 
         try:
             bounds = tuple(group_boundaries.tolist() if hasattr(group_boundaries, "tolist") else group_boundaries)
         except TypeError:
-            raise LossContractError(f"group_boundaries: expected a sequence of ints, got {group_boundaries!r}") from None
+            raise LossContractError(f"group_boundaries: expected a sequence of ints, got {group_boundaries!r}"
+                                    ) from None
         if any(isinstance(b, bool) or not isinstance(b, int) for b in bounds):
             raise LossContractError(f"group_boundaries: expected ints, got {bounds!r}")
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_sequences:
@@ -407,7 +408,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     else:
         _shape("ref_logits", ref_logits, (B, T, V), "[B, T, V] like policy_logits")
     if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2:
-        got = list(completion_mask.shape) if isinstance(completion_mask, torch.Tensor) else type(completion_mask).__name__
+        got = (list(completion_mask.shape) if isinstance(completion_mask, torch.Tensor)
+               else type(completion_mask).__name__)
         raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {got}")
     _shape("completion_mask", completion_mask, (B, T), "[B, T]")
     _shape("action_ids", action_ids, (B, T), "[B, T]")

@@ -3,7 +3,6 @@ comparison can fail. One world of four real processes (gloo) runs every check; e
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest

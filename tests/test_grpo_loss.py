@@ -201,7 +201,8 @@ def test_registry_explicit_backend_raises_with_reasons_and_auto_never_hides_fail
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    reg.register_op("op", "fast", lambda: broken, reasons=lambda a, k, explicit: [] if a[0] > 0 else ["x must be positive"])
+    reg.register_op("op", "fast", lambda: broken,
+                    reasons=lambda args, kwargs, explicit: [] if args[0] > 0 else ["x must be positive"])
     reg.register_op("op", "slow", lambda: (lambda x: "slow"))
     with pytest.raises(BackendUnavailableError, match="x must be positive"):
         reg.get_op("op", backend="fast")(-1)

@@ -65,7 +65,8 @@ def test_planted_drift_names_the_sequences_and_field(tmp_path):
         got = sorted(diffs[diffs["field"] == field]["index"].tolist())
         assert got == expected.flatten().tolist(), field
     assert len(diffs[diffs["field"] == "per_sequence_policy"]) > 0
-    assert "sequences moved (per_sequence_policy" in proc.stderr and f"{SCN} tp1xdp2 per_sequence_policy[" in proc.stderr
+    assert "sequences moved (per_sequence_policy" in proc.stderr
+    assert f"{SCN} tp1xdp2 per_sequence_policy[" in proc.stderr
     assert "ULP" in proc.stderr
 
 

@@ -111,8 +111,11 @@ def test_group_norm_any_group_size(std):
     from grpo_core.triton.group_norm import group_advantages
     bounds = (0, 2, 1029, 1032, 3100) if std is not AdvantageStd.NONE else (0, 1, 1029, 1032, 3100)
     r = torch.randn(3100, generator=torch.Generator().manual_seed(0)).to(DEV) * 3 + 1
-    assert_close_verbose(group_advantages(r, bounds, std), native_advantages(r, bounds, std), atol=1e-5, rtol=1e-5,
-                         what=std.value)
+    adv, err = group_advantages(r, bounds, std)
+    assert_close_verbose(adv, native_advantages(r, bounds, std), atol=1e-5, rtol=1e-5, what=std.value)
+    assert err.item() == 0
+    r[2000] = float("nan")
+    assert group_advantages(r, bounds, std)[1].item() == 1  # a non-finite reward is flagged
 
 
 def test_bad_ids_raise_without_reading_out_of_bounds():

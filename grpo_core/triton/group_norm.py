@@ -21,6 +21,7 @@ def _group_norm_kernel(
     r_ptr,  # rewards [S] fp32
     bounds_ptr,  # CSR group offsets [G + 1] int64
     adv_ptr,  # out: advantages [S] fp32
+    err_ptr,  # out: int32 [1], set to 1 when a reward is not finite
     floor,  # std floor (1e-6)
     # Meta-parameters
     MODE: tl.constexpr,  # 0 population std, 1 unbiased std, 2 no std
@@ -34,7 +35,9 @@ def _group_norm_kernel(
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
     for start in range(lo, hi, BLOCK):
-        acc += tl.load(r_ptr + start + cols, mask=start + cols < hi, other=0.0)
+        r = tl.load(r_ptr + start + cols, mask=start + cols < hi, other=0.0)
+        tl.store(err_ptr, 1, mask=tl.max(tl.where((r != r) | (tl.abs(r) == float("inf")), 1, 0), 0) > 0)
+        acc += r
     mean = tl.sum(acc, 0) / n
     scale = 1.0
     if MODE != 2:
@@ -51,11 +54,16 @@ def _group_norm_kernel(
         tl.store(adv_ptr + start + cols, (r - mean) * scale, mask=inside)
 
 
-@triton_op("grpo_core::group_advantages", mutates_args={})
-def _group_advantages(rewards: torch.Tensor, bounds: torch.Tensor, mode: int) -> torch.Tensor:
+def _launch(launch, rewards: torch.Tensor, bounds: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
     adv = torch.empty_like(rewards)
-    wrap_triton(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, STD_FLOOR, MODE=mode, BLOCK=BLOCK)
-    return adv
+    err = torch.zeros(1, dtype=torch.int32, device=rewards.device)
+    launch(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, err, STD_FLOOR, MODE=mode, BLOCK=BLOCK)
+    return adv, err
+
+
+@triton_op("grpo_core::group_advantages", mutates_args={})
+def _group_advantages(rewards: torch.Tensor, bounds: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(wrap_triton, rewards, bounds, mode)
 
 
 @functools.lru_cache(maxsize=64)
@@ -64,7 +72,12 @@ def _bounds(group_boundaries: tuple[int, ...], device: torch.device) -> torch.Te
     return torch.tensor(group_boundaries, dtype=torch.int64, device=device)
 
 
-def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
-    """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group; fp32 `[S]`."""
+def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group, fp32 `[S]`, and an int32
+    flag `[1]` that is 1 when a reward is not finite. Eager calls launch directly (no custom-op dispatch)."""
     bounds = _bounds(tuple(group_boundaries), rewards.device)
-    return _group_advantages(rewards.to(torch.float32).contiguous(), bounds, _MODES[std])
+    r = rewards.to(torch.float32).contiguous()
+    if torch.compiler.is_compiling():
+        return _group_advantages(r, bounds, _MODES[std])
+    return _launch(lambda k: k, r, bounds, _MODES[std])

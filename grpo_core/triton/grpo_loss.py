@@ -22,7 +22,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ..contract import AdvantageStd, TokenNormalizer
-from ..native.grpo_loss import combine, loss_options
+from ..native.grpo_loss import loss_options
 from ..reduction import token_weights
 from .group_norm import group_advantages
 from .ratio_kl import _f32, check_values_after, flat, launch_forward, launch_grad
@@ -70,25 +70,75 @@ def _sequence_sums_kernel(
     tl.store(seq_ptr + B + b, tl.sum(acc_kl, 0))
 
 
-def _sequence_sums(launch, out, old, adv, mask, ids, B, T, V, clip_low, clip_high, has_ref) -> torch.Tensor:
+@triton.jit
+def _finish_kernel(
+    seq_ptr,  # fp32 [2, B] per-sequence token sums (policy, KL)
+    counts_ptr,  # int64 [B] active tokens per sequence
+    scalars_ptr,  # out: fp32 [3] = loss, policy_loss, kl
+    B, beta, constant,
+    # Meta-parameters
+    NORMALIZER: tl.constexpr,  # 0 global_active_tokens, 1 per_sequence_then_mean, 2 fixed_constant
+    BLOCK: tl.constexpr,
+):
+    beta, constant = _f32(beta), _f32(constant)
+    acc_policy = tl.zeros((BLOCK,), tl.float32)
+    acc_kl = tl.zeros((BLOCK,), tl.float32)
+    acc_n = tl.zeros((BLOCK,), tl.int64)
+    for start in range(0, B, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inside = i < B
+        p = tl.load(seq_ptr + i, mask=inside, other=0.0)
+        k = tl.load(seq_ptr + B + i, mask=inside, other=0.0)
+        c = tl.load(counts_ptr + i, mask=inside, other=0)
+        if NORMALIZER == 1:
+            denom = tl.maximum(c, 1).to(tl.float32)
+            p = tl.where(c > 0, p / denom, 0.0)
+            k = tl.where(c > 0, k / denom, 0.0)
+            c = tl.where(c > 0, 1, 0).to(tl.int64)  # count sequences, not tokens
+        acc_policy += p
+        acc_kl += k
+        acc_n += c
+    if NORMALIZER == 2:
+        denom = constant
+    else:
+        denom = tl.maximum(tl.sum(acc_n, 0), 1).to(tl.float32)
+    policy_loss = tl.sum(acc_policy, 0) / denom
+    kl = tl.sum(acc_kl, 0) / denom
+    tl.store(scalars_ptr, policy_loss + beta * kl)
+    tl.store(scalars_ptr + 1, policy_loss)
+    tl.store(scalars_ptr + 2, kl)
+
+
+_NORMALIZERS = {TokenNormalizer.GLOBAL_ACTIVE_TOKENS: 0, TokenNormalizer.PER_SEQUENCE_THEN_MEAN: 1,
+                TokenNormalizer.FIXED_CONSTANT: 2}
+
+
+def _forward(launch, policy, ref, ids, mask, old, adv, weight, counts, clip_low, clip_high, beta, single_pass,
+             normalizer, constant, grad=None):
+    """All launches of the forward. `grad`: where the single pass writes the gradient (default: a new tensor)."""
+    B, T, V = policy.shape
+    if grad is None:
+        grad = torch.empty(policy.shape if single_pass else (0,), dtype=policy.dtype, device=policy.device)
+    out, err = launch_forward(launch, policy, ref, ids, mask, old, adv, weight, grad if single_pass else None,
+                              clip_low, clip_high, beta)
     seq = torch.empty(2, B, dtype=torch.float32, device=out.device)
     launch(_sequence_sums_kernel)[(B,)](out, flat(old), adv, flat(mask), flat(ids), seq, B, T, V, clip_low, clip_high,
-                                        HAS_REF=has_ref, BLOCK=min(BLOCK_T, triton.next_power_of_2(T)))
-    return seq
+                                        HAS_REF=ref is not None, BLOCK=min(BLOCK_T, triton.next_power_of_2(T)))
+    scalars = torch.empty(3, dtype=torch.float32, device=out.device)
+    launch(_finish_kernel)[(1,)](seq, counts, scalars, B, beta, constant, NORMALIZER=normalizer,
+                                 BLOCK=min(1024, triton.next_power_of_2(B)))
+    return out, err, scalars, grad
 
 
 @triton_op("grpo_core::grpo_forward", mutates_args={})
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
-                 old: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor, clip_low: float, clip_high: float,
-                 beta: float, single_pass: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(out [3, N], err [1], seq [2, B], grad)`: per-token log-probs, the id error flag, per-sequence token sums,
-    and in single-pass mode `d loss / d policy` (else an empty tensor)."""
-    B, T, V = policy.shape
-    grad = torch.empty(policy.shape if single_pass else (0,), dtype=policy.dtype, device=policy.device)
-    out, err = launch_forward(wrap_triton, policy, ref, ids, mask, old, adv, weight, grad if single_pass else None,
-                              clip_low, clip_high, beta)
-    seq = _sequence_sums(wrap_triton, out, old, adv, mask, ids, B, T, V, clip_low, clip_high, ref is not None)
-    return out, err, seq, grad
+                 old: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, clip_low: float,
+                 clip_high: float, beta: float, single_pass: bool, normalizer: int, constant: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(out [3, N], err [1], scalars [3] = loss, policy_loss, kl, grad)`: per-token log-probs, the bad-id flag,
+    the normalized loss, and in single-pass mode `d loss / d policy` (else an empty tensor)."""
+    return _forward(wrap_triton, policy, ref, ids, mask, old, adv, weight, counts, clip_low, clip_high, beta,
+                    single_pass, normalizer, constant)
 
 
 @triton_op("grpo_core::grpo_backward", mutates_args={})
@@ -114,9 +164,11 @@ class _GRPOLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         policy, grad, ids, mask, out, old, adv, weight = ctx.saved_tensors
         if grad.numel() == 0:  # two pass
-            clip_low, clip_high, beta, has_ref = ctx.opts
-            grad = grpo_backward(policy, ids, mask, out, old, adv, weight, grad_loss.float(), clip_low, clip_high,
-                                 beta, has_ref)
+            args = (policy, ids, mask, out, old, adv, weight, grad_loss.float(), *ctx.opts)
+            if torch.compiler.is_compiling():
+                grad = grpo_backward(*args)
+            else:
+                grad = launch_grad(lambda k: k, *args[:4], args[7].reshape(1), *args[4:7], *ctx.opts)
         elif torch.compiler.is_compiling() or not bool(grad_loss == 1.0):  # loss.backward(): no extra pass
             grad = grad * grad_loss.to(grad.dtype)
         return (grad,) + (None,) * 9
@@ -147,22 +199,23 @@ class TritonGRPOLossOp:
         if inplace and not single:
             raise ValueError("inplace: only the single-pass mode can write the gradient into policy_logits "
                              "(it needs policy_logits.requires_grad and single_pass not False)")
-        B, T, V = policy_logits.shape
         old = old_logps.float()
-        adv = group_advantages(rewards, o.groups, o.std)
+        adv, reward_err = group_advantages(rewards, o.groups, o.std)
         counts = o.mask.sum(-1)
         weight = token_weights(counts, o.normalizer, o.constant)
         clip = (o.clip_eps, o.clip_eps_high, o.beta)
         x = policy_logits.detach()
-        if inplace:
-            out, err = launch_forward(lambda k: k, x, ref_logits, action_ids, o.mask, old, adv, weight, x, *clip)
-            seq = _sequence_sums(lambda k: k, out, old, adv, o.mask, action_ids, B, T, V, o.clip_eps,
-                                 o.clip_eps_high, ref_logits is not None)
-            grad = x
+        args = (ref_logits, action_ids, o.mask, old, adv, weight, counts, *clip, single, _NORMALIZERS[o.normalizer],
+                o.constant or 1.0)
+        if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
+            out, err, scalars, grad = _forward(lambda k: k, x, *args, grad=x)
+        elif torch.compiler.is_compiling():
+            out, err, scalars, grad = grpo_forward(x, *args)
         else:
-            out, err, seq, grad = grpo_forward(x, ref_logits, action_ids, o.mask, old, adv, weight, *clip, single)
-        loss, policy_loss, kl = combine(seq[0], seq[1], counts, o.beta, o.normalizer, o.constant)
-        check_values_after(err, policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, o.beta)
+            out, err, scalars, grad = _forward(lambda k: k, x, *args)
+        loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
+        check_values_after(err + reward_err, policy_logits, ref_logits, action_ids, old_logps, rewards,
+                           completion_mask, o.beta)
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, o.mask, out, old, adv, weight,
                                    (*clip, ref_logits is not None))

@@ -238,13 +238,27 @@ def _backward(ctx, grad_out, grad_err):
 token_logprobs.register_autograd(_backward, setup_context=_setup)
 
 
+class _TokenLogprobs(torch.autograd.Function):
+    """The eager twin of `token_logprobs` (same launches and backward, no custom-op dispatch on the host)."""
+
+    @staticmethod
+    def forward(ctx, policy, ref, ids, mask):
+        out, err = launch_forward(lambda k: k, policy, ref, ids, mask)
+        ctx.save_for_backward(policy, ids, mask, out)
+        ctx.mark_non_differentiable(err)
+        return out, err
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_err):
+        policy, ids, mask, out = ctx.saved_tensors
+        return launch_grad(lambda k: k, policy, ids, mask, out, grad_out[0]), None, None, None
+
+
 def check_values_after(err: torch.Tensor, policy_logits, ref_logits, action_ids, old_logps, rewards,
                        completion_mask, beta: float) -> None:
-    """One device sync after the kernels: if a kernel flagged an id, or a reward or mask value is bad, rerun the
-    full checks for the precise error. (The kernels never read out of bounds: flagged tokens are skipped.)"""
-    bad = err.any()
-    if rewards is not None:
-        bad = bad | ~torch.isfinite(rewards).all()
+    """One device sync after the kernels: if a kernel flagged a bad id or reward (`err`), or a mask value is bad,
+    rerun the full checks for the precise error. (The kernels never read out of bounds: flagged tokens are skipped.)"""
+    bad = err.sum() > 0
     if completion_mask.dtype != torch.bool:
         bad = bad | ((completion_mask != 0) & (completion_mask != 1)).any()
     if torch.compiler.is_compiling():  # no Python branch on device data inside a graph: a device-side assert
@@ -261,6 +275,9 @@ class TritonRatioKLOp:
     def __call__(self, policy_logits, ref_logits, action_ids, completion_mask, old_logps):
         mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, beta=1.0,
                             values=False)
-        out, err = token_logprobs(policy_logits, ref_logits, action_ids, mask)
+        if torch.compiler.is_compiling():
+            out, err = token_logprobs(policy_logits, ref_logits, action_ids, mask)
+        else:
+            out, err = _TokenLogprobs.apply(policy_logits, ref_logits, action_ids, mask)
         check_values_after(err, policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, 1.0)
         return ratio_and_kl(out[0].view(mask.shape), out[1].view(mask.shape), old_logps, mask)
