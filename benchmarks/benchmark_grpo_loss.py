@@ -28,9 +28,8 @@ def backends(spp: int, skip: set[str]) -> dict:
     triton_op = kernel_registry.get_op("grpo_loss", backend="triton")
     native = kernel_registry.get_op("grpo_loss", backend="native")
     out = {
-        "triton": lambda inp: triton_op(**inp, samples_per_prompt=spp)[0],  # default: single pass for short rows
+        "triton_two_pass": lambda inp: triton_op(**inp, samples_per_prompt=spp)[0],  # the default
         "triton_single_pass": lambda inp: triton_op(**inp, samples_per_prompt=spp, single_pass=True)[0],
-        "triton_two_pass": lambda inp: triton_op(**inp, samples_per_prompt=spp, single_pass=False)[0],
         "native": lambda inp: native(**inp, samples_per_prompt=spp)[0],
     }
     if "compile" not in skip:

@@ -31,7 +31,7 @@ def main() -> None:
         E = inp["policy_logits"].numel() * 2
         a = inp["completion_mask"].float().mean().item()
         bw = copy_bandwidth(E)
-        for mode, single in (("fwd", None), ("fwd_bwd", True), ("fwd_bwd", False)):
+        for mode, single in (("fwd", False), ("fwd_bwd", True), ("fwd_bwd", False)):
             x = inp["policy_logits"].detach().requires_grad_(mode == "fwd_bwd")
 
             def run(x=x, single=single, mode=mode):

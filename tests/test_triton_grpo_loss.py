@@ -73,8 +73,8 @@ def test_inplace_writes_the_gradient_into_the_logits():
     assert_bitwise_equal(x.detach(), want[3], "logits storage now holds the gradient")
     loss.backward()
     assert_bitwise_equal(x.grad, want[3], "grad")
-    with pytest.raises(ValueError, match="inplace: only the single-pass mode"):
-        triton(**inp, samples_per_prompt=2, inplace=True)  # no grad wanted: no single pass
+    with pytest.raises(ValueError, match="inplace: writing the gradient into policy_logits needs"):
+        triton(**inp, samples_per_prompt=2, inplace=True)  # no grad wanted: nothing to write
 
 
 def test_masked_tokens_are_never_read():

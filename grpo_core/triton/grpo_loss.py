@@ -1,15 +1,18 @@
 """TritonGRPOLossOp: the GRPO loss from one streaming pass over each active row.
 
-Single-pass mode (the default for rows up to `SINGLE_PASS_MAX_ROW_BYTES`): the advantages and the normalizer
-weights are known before the pass, so the kernel computes each token's `d loss / d logp` right after its log-sum-exp and
-writes the gradient `coef * (onehot - softmax)` in the same program. Forward + backward then reads every active
-policy and reference row once from HBM (the gradient loop re-reads the policy row from L2) and writes the
-gradient once; the backward only hands it over (scaled when `grad_output != 1`). Memory: the gradient (logits
-dtype, `B*T*V`) is allocated during the forward and held until the backward, while the two-pass mode allocates
-it in the backward; at the peak both hold one gradient. `inplace=True` writes it into `policy_logits`' own
-storage (eager only; the logits are overwritten). Two-pass mode (`single_pass=False`): the forward streams the
-rows once for the log-probs; the backward streams the policy rows again and computes the same coefficient.
-After the row kernel, one small kernel per sequence forms the token sums; the normalizer is the native one.
+Two-pass mode (the default): the forward streams each active policy and reference row once, together, for the
+log-probs; the backward streams the policy rows again and writes `coef * (onehot - softmax)`, where `coef`, the
+token's `d loss / d logp`, is computed in the kernel from the saved log-probs. One kernel per sequence forms the
+token sums and one program applies the normalizer.
+
+Single-pass mode (`single_pass=True`): the advantages and the normalizer weights are known before the pass, so
+the forward kernel computes `coef` right after the row's log-sum-exp and writes the gradient in the same program;
+the backward only hands it over (scaled when `grad_output != 1`). It saves HBM traffic only if the gradient
+loop's re-read of the policy row hits L2. Measured on the H200 (bf16, 8192 rows of 64-297 KiB, one warp per row,
+every row in flight at once), it does not: the re-read streams from HBM, and the two-pass kernels were faster at
+every vocabulary size (benchmarks/README.md), so two-pass is the default. Memory: both hold one gradient (logits
+dtype) at the peak; single pass allocates it in the forward. `inplace=True` (single pass, eager only) writes it
+into `policy_logits`' own storage, overwriting the logits.
 """
 
 from __future__ import annotations
@@ -28,10 +31,6 @@ from .group_norm import group_advantages
 from .ratio_kl import _f32, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
-# Single pass pays off only while the gradient loop's re-read of a policy row hits L2. With thousands of rows in
-# flight, that holds for short rows: on the H200 (bf16, B*T = 8192) single pass won at 64 KiB rows (V = 32768),
-# tied at ~98 KiB and lost at 256-297 KiB (V = 131072, 151936), where both passes stream from HBM anyway.
-SINGLE_PASS_MAX_ROW_BYTES = 96 * 1024
 
 
 @triton.jit
@@ -175,9 +174,8 @@ class _GRPOLoss(torch.autograd.Function):
 
 
 class TritonGRPOLossOp:
-    """Same call as the native op (`NativeGRPOLossOp.__call__`), plus `single_pass` (default: when the policy
-    logits require grad and a row is at most `SINGLE_PASS_MAX_ROW_BYTES`) and `inplace` (single-pass only: the
-    gradient overwrites `policy_logits`)."""
+    """Same call as the native op (`NativeGRPOLossOp.__call__`), plus `single_pass` (compute the gradient during
+    the forward) and `inplace` (implies single pass: the gradient overwrites `policy_logits`)."""
 
     backend = "triton"
 
@@ -187,18 +185,16 @@ class TritonGRPOLossOp:
                  group_boundaries: Any = None, *, clip_eps_high: float | None = None,
                  normalizer: TokenNormalizer | str = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
                  normalizer_constant: float | None = None, advantage_std: AdvantageStd | str = AdvantageStd.POPULATION,
-                 single_pass: bool | None = None, inplace: bool = False
+                 single_pass: bool = False, inplace: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, values=False)
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
-        if single_pass is None:
-            single_pass = inplace or policy_logits.shape[-1] * policy_logits.element_size() <= SINGLE_PASS_MAX_ROW_BYTES
-        single = wants_grad and bool(single_pass)
-        if inplace and not single:
-            raise ValueError("inplace: only the single-pass mode can write the gradient into policy_logits "
-                             "(it needs policy_logits.requires_grad and single_pass not False)")
+        single = wants_grad and (bool(single_pass) or inplace)
+        if inplace and not wants_grad:
+            raise ValueError("inplace: writing the gradient into policy_logits needs policy_logits.requires_grad "
+                             "and grad mode on")
         old = old_logps.float()
         adv, reward_err = group_advantages(rewards, o.groups, o.std)
         counts = o.mask.sum(-1)
