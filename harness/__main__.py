@@ -57,6 +57,8 @@ def load_golden(root: Path, platform: str) -> pd.DataFrame | None:
 
 def cmd_run(args) -> int:
     started = time.monotonic()
+    if args.torchrun:  # the world is torchrun's: every layout that fits in it
+        args.max_world = int(os.environ["WORLD_SIZE"])
     lays = [l.name for l in layouts(args.max_world)]
     out = _record(args, lays, args.max_world)
     if out is None:  # a torchrun rank other than 0

@@ -14,7 +14,6 @@ import os
 import pickle
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -185,7 +184,3 @@ def run_torchrun(fn: Callable, *args: Any, device: str = "cpu", timeout_s: float
         return fn(ctx, *args)
     finally:
         dist.destroy_process_group()
-
-
-def format_exception() -> str:
-    return traceback.format_exc()

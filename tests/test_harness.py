@@ -118,3 +118,11 @@ def test_drift_report_and_regroup_study(clean_run, tmp_path):
     assert same.empty and "identical" in (tmp_path / "same" / "report.md").read_text()
     summary = regroup_study(2, tmp_path / "study", seq_len=64)
     assert summary["seeds"] == 2 and 0 <= summary["loss_moved"] <= summary["vector_moved"] <= 2
+
+
+def test_runs_under_torchrun(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "harness",
+                           "run", "--torchrun", "--scenarios", "identity", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "(gloo, world 2)" in proc.stdout and "vs golden: identical=3" in proc.stdout
