@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import append, copy_bandwidth, make_inputs, markdown, parse_configs, provenance, timed  # noqa
+from benchmarks.common import copy_bandwidth, make_inputs, parse_configs, provenance, report, timed  # noqa: E402
 from grpo_core import kernel_registry  # noqa: E402
 from grpo_core.triton.ratio_kl import BLOCK_V, NUM_STAGES, NUM_WARPS  # noqa: E402
 
@@ -106,9 +106,7 @@ def main() -> None:
             inp.pop("liger_policy", None), inp.pop("liger_ref", None)
         del inp
         torch.cuda.empty_cache()
-    path = append(rows, args.out)
-    print(markdown(rows))
-    print(f"appended {len(rows)} rows to {path}")
+    report(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import append, copy_bandwidth, make_inputs, markdown, parse_configs, provenance, timed  # noqa
+from benchmarks.common import copy_bandwidth, make_inputs, parse_configs, provenance, report, timed  # noqa: E402
 from grpo_core import kernel_registry  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,9 +59,7 @@ def main() -> None:
                       flush=True)
         del inp
         torch.cuda.empty_cache()
-    path = append(rows, args.out)
-    print(markdown(rows))
-    print(f"appended {len(rows)} rows to {path}")
+    report(rows, args.out)
 
 
 if __name__ == "__main__":

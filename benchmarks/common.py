@@ -83,6 +83,13 @@ def append(rows: list[dict], name: str) -> Path:
     return path
 
 
+def report(rows: list[dict], name: str) -> None:
+    """Appends the run's rows to `results/<name>.parquet` and prints them as a Markdown table."""
+    path = append(rows, name)
+    print(markdown(rows))
+    print(f"appended {len(rows)} rows to {path}")
+
+
 def markdown(rows: list[dict]) -> str:
     cols = ["config", "backend", "mode", "p50_ms", "floor_ms", "ratio_to_floor", "peak_extra_mib", "bw_tbps"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
