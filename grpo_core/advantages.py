@@ -20,9 +20,9 @@ def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], s
     r = rewards.to(torch.float32)
     bounds = torch.tensor(group_boundaries, device=r.device)
     sizes = bounds[1:] - bounds[:-1]
-    group_of = torch.repeat_interleave(torch.arange(len(sizes), device=r.device), sizes)
+    group_of = torch.repeat_interleave(torch.arange(len(sizes), device=r.device), sizes, output_size=r.numel())
     slot = torch.arange(r.numel(), device=r.device) - bounds[:-1][group_of]
-    width = int(sizes.max())
+    width = max(b - a for a, b in zip(group_boundaries[:-1], group_boundaries[1:]))  # no device sync
     grid = r.new_zeros(len(sizes), width).index_put((group_of, slot), r)
     valid = torch.zeros_like(grid, dtype=torch.bool).index_put((group_of, slot), torch.ones_like(r, dtype=torch.bool))
     n = sizes.to(torch.float32)
