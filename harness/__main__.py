@@ -108,8 +108,8 @@ def cmd_run(args) -> int:
                               for c in cells.itertuples(index=False))
             failures.append(f"{len(diffs)} values {what}:\n{moved}\n" + format_differences(diffs))
     report = ["# Determinism run", "", f"Platform `{meta['platform']}`, provenance:", "",
-              "```json", json.dumps(out["provenance"], indent=1), "```", "", grid.to_markdown() if _has_tabulate()
-              else "```\n" + grid.to_string() + "\n```", "", "## Failures" if failures else "All identical.", ""]
+              "```json", json.dumps(out["provenance"], indent=1), "```", "", "```", grid.to_string(), "```", "",
+              "## Failures" if failures else "All identical.", ""]
     report += [f"- {f}" for f in failures]
     (run_dir / "summary.md").write_text("\n".join(report) + "\n")
     table.to_csv(run_dir / "summary.csv", index=False)
@@ -118,14 +118,6 @@ def cmd_run(args) -> int:
         print("FAIL:", f, file=sys.stderr)
     print(f"determinism: FAILED ({len(failures)} problems)" if failures else "determinism: all identical")
     return 1 if failures else 0
-
-
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 def cmd_diff(args) -> int:
