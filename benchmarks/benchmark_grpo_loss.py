@@ -27,11 +27,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def backends(spp: int, skip: set[str]) -> dict:
     triton_op = kernel_registry.get_op("grpo_loss", backend="triton")
     native = kernel_registry.get_op("grpo_loss", backend="native")
-    out = {
-        "triton_two_pass": lambda inp: triton_op(**inp, samples_per_prompt=spp)[0],  # the default
-        "triton_single_pass": lambda inp: triton_op(**inp, samples_per_prompt=spp, single_pass=True)[0],
-        "native": lambda inp: native(**inp, samples_per_prompt=spp)[0],
-    }
+    out = {}
+    for mode, single in (("two_pass", False), ("single_pass", True)):
+        for suffix, check in (("", True), ("_unchecked", False)):  # with / without the host sync for bad values
+            out[f"triton_{mode}{suffix}"] = (lambda inp, single=single, check=check: triton_op(
+                **inp, samples_per_prompt=spp, single_pass=single, check_values=check)[0])
+    out["native"] = lambda inp: native(**inp, samples_per_prompt=spp)[0]
     if "compile" not in skip:
         compiled = torch.compile(lambda inp: native(**inp, samples_per_prompt=spp)[0])
         out["torch_compile"] = compiled

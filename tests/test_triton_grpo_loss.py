@@ -67,7 +67,7 @@ def test_single_pass_equals_two_pass():
 
 def test_inplace_writes_the_gradient_into_the_logits():
     inp = make_inputs(4, 3, 50, seed=9, device=DEV)
-    want = run(triton, inp, samples_per_prompt=2)
+    want = run(triton, inp, samples_per_prompt=2, single_pass=True)
     x = inp["policy_logits"].clone().requires_grad_(True)
     loss, _, _ = triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, inplace=True)
     assert_bitwise_equal(x.detach(), want[3], "logits storage now holds the gradient")
@@ -111,11 +111,11 @@ def test_group_norm_any_group_size(std):
     from grpo_core.triton.group_norm import group_advantages
     bounds = (0, 2, 1029, 1032, 3100) if std is not AdvantageStd.NONE else (0, 1, 1029, 1032, 3100)
     r = torch.randn(3100, generator=torch.Generator().manual_seed(0)).to(DEV) * 3 + 1
-    adv, err = group_advantages(r, bounds, std)
+    adv, flags = group_advantages(r, bounds, std)
     assert_close_verbose(adv, native_advantages(r, bounds, std), atol=1e-5, rtol=1e-5, what=std.value)
-    assert err.item() == 0
+    assert flags.tolist() == [0, 0, 0, 0]
     r[2000] = float("nan")
-    assert group_advantages(r, bounds, std)[1].item() == 1  # a non-finite reward is flagged
+    assert group_advantages(r, bounds, std)[1].tolist() == [0, 0, 0, 1]  # the group of the non-finite reward
 
 
 def test_bad_ids_raise_without_reading_out_of_bounds():
@@ -127,6 +127,57 @@ def test_bad_ids_raise_without_reading_out_of_bounds():
     inp["rewards"][0] = float("inf")
     with pytest.raises(LossContractError, match="rewards: expected finite values"):
         triton(**inp, samples_per_prompt=2)
+
+
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_grad_output_scales_the_gradient(single_pass):
+    inp = make_inputs(4, 3, 50, seed=6, device=DEV)
+    want = run(triton, inp, samples_per_prompt=2, single_pass=single_pass)[3]
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    (triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, single_pass=single_pass)[0] * -3.0).backward()
+    if single_pass:  # the stored gradient, scaled in place once
+        assert_bitwise_equal(x.grad, want * -3.0, "grad * -3")
+    else:  # the scale enters the in-kernel coefficient
+        assert_close_verbose(x.grad, want * -3.0, atol=1e-7, rtol=1e-6, what="grad * -3")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(action_ids=17), r"action_ids: expected ids in \[0, 17\) at active tokens, got \[17\]"),
+    (dict(action_ids=-1), r"action_ids: expected ids in \[0, 17\) at active tokens, got \[-1\]"),
+    (dict(completion_mask=2), "completion_mask: expected bool or 0/1 values"),
+    (dict(completion_mask=0.5), "completion_mask: expected bool or 0/1 values"),
+    (dict(rewards=float("inf")), "rewards: expected finite values, got non-finite at sequences \\[1\\]"),
+])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_bad_values_raise_like_native(bad, match, single_pass):
+    inp = make_inputs(2, 3, 17, seed=1, device=DEV)
+    (name, value), = bad.items()
+    if name == "completion_mask":
+        inp[name] = inp[name].to(torch.float32 if isinstance(value, float) else torch.int64)
+        inp[name][1, 2] = value
+    elif name == "action_ids":
+        inp["completion_mask"][1, 0] = True
+        inp[name][1, 0] = value
+    else:
+        inp[name][1] = value
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    call = {**inp, "policy_logits": x}
+    with pytest.raises(LossContractError, match=match):
+        native(**call, samples_per_prompt=2)
+    with pytest.raises(LossContractError, match=match):
+        triton(**call, samples_per_prompt=2, single_pass=single_pass)
+    if not HAS_CUDA:  # on the CPU the assert is synchronous; on CUDA it would end the process's CUDA context
+        with pytest.raises(RuntimeError, match="grpo_core: bad action_ids, rewards or completion_mask"):
+            triton(**call, samples_per_prompt=2, single_pass=single_pass, check_values=False)
+
+
+def test_unchecked_call_gives_the_checked_result():
+    inp = make_inputs(4, 3, 50, seed=7, device=DEV)
+    inp["completion_mask"] = inp["completion_mask"].to(torch.int32)
+    want = run(triton, inp, samples_per_prompt=2)
+    got = run(triton, inp, samples_per_prompt=2, check_values=False)
+    for name, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, want):
+        assert_bitwise_equal(a, b, name)
 
 
 def test_t_equals_one_and_all_masked():

@@ -13,7 +13,7 @@ from ..advantages import STD_FLOOR
 from ..contract import AdvantageStd
 
 BLOCK = 1024
-_MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2}
+MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2}
 
 
 @triton.jit
@@ -21,7 +21,8 @@ def _group_norm_kernel(
     r_ptr,  # rewards [S] fp32
     bounds_ptr,  # CSR group offsets [G + 1] int64
     adv_ptr,  # out: advantages [S] fp32
-    err_ptr,  # out: int32 [1], set to 1 when a reward is not finite
+    flag_ptr,  # out: int32, flag_ptr[flag_offset + g] = 1 where group g holds a non-finite reward
+    flag_offset,
     floor,  # std floor (1e-6)
     # Meta-parameters
     MODE: tl.constexpr,  # 0 population std, 1 unbiased std, 2 no std
@@ -34,10 +35,12 @@ def _group_norm_kernel(
     n = (hi - lo).to(tl.float32)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
     for start in range(lo, hi, BLOCK):
         r = tl.load(r_ptr + start + cols, mask=start + cols < hi, other=0.0)
-        tl.store(err_ptr, 1, mask=tl.max(tl.where((r != r) | (tl.abs(r) == float("inf")), 1, 0), 0) > 0)
+        bad = tl.maximum(bad, ((r != r) | (tl.abs(r) == float("inf"))).to(tl.int32))
         acc += r
+    tl.store(flag_ptr + flag_offset + g, tl.max(bad, 0))
     mean = tl.sum(acc, 0) / n
     scale = 1.0
     if MODE != 2:
@@ -54,11 +57,19 @@ def _group_norm_kernel(
         tl.store(adv_ptr + start + cols, (r - mean) * scale, mask=inside)
 
 
+def launch_group_norm(launch, rewards: torch.Tensor, bounds: torch.Tensor, mode: int, adv: torch.Tensor,
+                      flags: torch.Tensor, flag_offset: int = 0) -> None:
+    """Writes `adv [S]` and the per-group reward flags `flags[flag_offset:][:G]` (`launch`: `wrap_triton` or
+    identity; offsets, not views, because torch.compile clones each mutated view separately)."""
+    launch(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, flags, flag_offset, STD_FLOOR, MODE=mode,
+                                                      BLOCK=BLOCK)
+
+
 def _launch(launch, rewards: torch.Tensor, bounds: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
     adv = torch.empty_like(rewards)
-    err = torch.zeros(1, dtype=torch.int32, device=rewards.device)
-    launch(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, err, STD_FLOOR, MODE=mode, BLOCK=BLOCK)
-    return adv, err
+    flags = torch.empty(bounds.numel() - 1, dtype=torch.int32, device=rewards.device)
+    launch_group_norm(launch, rewards, bounds, mode, adv, flags)
+    return adv, flags
 
 
 @triton_op("grpo_core::group_advantages", mutates_args={})
@@ -67,17 +78,17 @@ def _group_advantages(rewards: torch.Tensor, bounds: torch.Tensor, mode: int) ->
 
 
 @functools.lru_cache(maxsize=64)
-def _bounds(group_boundaries: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def bounds_tensor(group_boundaries: tuple[int, ...], device: torch.device) -> torch.Tensor:
     # Cached: a host-to-device copy from pageable memory would wait for the whole stream on every call.
     return torch.tensor(group_boundaries, dtype=torch.int64, device=device)
 
 
 def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group, fp32 `[S]`, and an int32
-    flag `[1]` that is 1 when a reward is not finite. Eager calls launch directly (no custom-op dispatch)."""
-    bounds = _bounds(tuple(group_boundaries), rewards.device)
+    """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group, fp32 `[S]`, and int32 flags
+    `[G]`, 1 for each group that holds a non-finite reward. Eager calls launch directly (no custom-op dispatch)."""
+    bounds = bounds_tensor(tuple(group_boundaries), rewards.device)
     r = rewards.to(torch.float32).contiguous()
     if torch.compiler.is_compiling():
-        return _group_advantages(r, bounds, _MODES[std])
-    return _launch(lambda k: k, r, bounds, _MODES[std])
+        return _group_advantages(r, bounds, MODES[std])
+    return _launch(lambda k: k, r, bounds, MODES[std])

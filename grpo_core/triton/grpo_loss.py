@@ -2,17 +2,22 @@
 
 Two-pass mode (the default): the forward streams each active policy and reference row once, together, for the
 log-probs; the backward streams the policy rows again and writes `coef * (onehot - softmax)`, where `coef`, the
-token's `d loss / d logp`, is computed in the kernel from the saved log-probs. One kernel per sequence forms the
-token sums and one program applies the normalizer.
+token's `d loss / d logp`, is computed in the kernel from the saved log-probs. Besides the row kernel, the
+forward launches three small kernels (group advantages, per-sequence sums with the bad-value checks, and one
+program for the normalizer and weights), after the row kernel, so that their host cost overlaps it.
 
 Single-pass mode (`single_pass=True`): the advantages and the normalizer weights are known before the pass, so
 the forward kernel computes `coef` right after the row's log-sum-exp and writes the gradient in the same program;
-the backward only hands it over (scaled when `grad_output != 1`). It saves HBM traffic only if the gradient
-loop's re-read of the policy row hits L2. Measured on the H200 (bf16, 8192 rows of 64-297 KiB, one warp per row,
-every row in flight at once), it does not: the re-read streams from HBM, and the two-pass kernels were faster at
-every vocabulary size (benchmarks/README.md), so two-pass is the default. Memory: both hold one gradient (logits
-dtype) at the peak; single pass allocates it in the forward. `inplace=True` (single pass, eager only) writes it
-into `policy_logits`' own storage, overwriting the logits.
+the backward only hands it over (scaled in place by a kernel that returns at once when `grad_output == 1`). It
+saves HBM traffic only if the gradient loop's re-read of the policy row hits L2; on the H200 (bf16, 8192 rows of
+64-297 KiB in flight) it mostly does not, and two passes were as fast or faster on average over the benchmark
+shapes (benchmarks/README.md), so two-pass is the default. Memory: both hold one gradient (logits dtype) at the
+peak; single pass allocates it in the forward. `inplace=True` (single pass, eager only) writes it into
+`policy_logits`' own storage, overwriting the logits.
+
+Bad values (ids outside `[0, V)` at active tokens, non-finite rewards, mask values other than 0 / 1) are flagged
+by the kernels and, with `check_values=True`, turned into the native op's `LossContractError` after one device
+sync; `check_values=False` trades that sync for a device-side assert.
 """
 
 from __future__ import annotations
@@ -26,117 +31,189 @@ from torch.library import triton_op, wrap_triton
 
 from ..contract import AdvantageStd, TokenNormalizer
 from ..native.grpo_loss import loss_options
-from ..reduction import token_weights
-from .group_norm import group_advantages
-from .ratio_kl import _f32, check_values_after, flat, launch_forward, launch_grad
+from .group_norm import MODES, bounds_tensor, launch_group_norm
+from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
 
 
 @triton.jit
-def _sequence_sums_kernel(
-    out_ptr,  # fp32 [3, N] = logp, logp_ref, lse from the row kernel
-    old_ptr,  # old log-probs [N] fp32
-    adv_ptr,  # advantages [B] fp32
-    mask_ptr,  # completion mask [N]
-    ids_ptr,  # action ids [N] (tokens with an out-of-range id count as masked; the call raises afterwards)
-    seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL
+def _sequence_kernel(
+    out_ptr,  # fp32 [3, N] = logp, logp_ref, lse from the row kernel (SUMS)
+    old_ptr,  # old log-probs [N] fp32 (SUMS)
+    adv_ptr,  # advantages [B] fp32 (SUMS)
+    mask_ptr,  # completion mask [N], any dtype, nonzero = active
+    ids_ptr,  # action ids [N]
+    seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL (SUMS)
+    counts_ptr,  # out: int64 [B] = active tokens (mask set, id in range)
+    flags_ptr,  # out: flags_ptr[flag_offset + b] = 1 where a mask value is not 0 / 1 or an id at an active token
+    flag_offset,  # is outside [0, V)
     B, T, V, clip_low, clip_high,
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    SUMS: tl.constexpr,
+    CHECK_MASK: tl.constexpr,  # the mask is not bool: its values must be 0 or 1
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     clip_low, clip_high = _f32(clip_low), _f32(clip_high)  # Inductor passes fp64 scalars
     N = B * T
-    adv = tl.load(adv_ptr + b)
+    adv = tl.load(adv_ptr + b) if SUMS else 0.0
     acc_policy = tl.zeros((BLOCK,), tl.float32)
     acc_kl = tl.zeros((BLOCK,), tl.float32)
+    count = tl.zeros((BLOCK,), tl.int32)
+    bad = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, T, BLOCK):
         t = start + tl.arange(0, BLOCK)
         row = b * T + t
         inside = t < T
+        m = tl.load(mask_ptr + row, mask=inside, other=0)
         action = tl.load(ids_ptr + row, mask=inside, other=0)
-        active = (tl.load(mask_ptr + row, mask=inside, other=0) != 0) & (action >= 0) & (action < V)
-        logp = tl.load(out_ptr + row, mask=inside, other=0.0)
-        ratio = tl.exp(tl.where(active, logp - tl.load(old_ptr + row, mask=active, other=0.0), 0.0))
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-        acc_policy += tl.where(active, -tl.minimum(ratio * adv, clipped * adv), 0.0)
-        if HAS_REF:
-            d = tl.where(active, tl.load(out_ptr + N + row, mask=inside, other=0.0) - logp, 0.0)
-            acc_kl += tl.exp(d) - d - 1.0
-    tl.store(seq_ptr + b, tl.sum(acc_policy, 0))
-    tl.store(seq_ptr + B + b, tl.sum(acc_kl, 0))
+        on = m != 0
+        valid = (action >= 0) & (action < V)
+        wrong = on & ~valid
+        if CHECK_MASK:
+            wrong = wrong | (on & (m != 1))
+        bad = tl.maximum(bad, wrong.to(tl.int32))
+        active = on & valid
+        count += active.to(tl.int32)
+        if SUMS:
+            logp = tl.load(out_ptr + row, mask=inside, other=0.0)
+            ratio = tl.exp(tl.where(active, logp - tl.load(old_ptr + row, mask=active, other=0.0), 0.0))
+            clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+            acc_policy += tl.where(active, -tl.minimum(ratio * adv, clipped * adv), 0.0)
+            if HAS_REF:
+                d = tl.where(active, tl.load(out_ptr + N + row, mask=inside, other=0.0) - logp, 0.0)
+                acc_kl += tl.exp(d) - d - 1.0
+    tl.store(counts_ptr + b, tl.sum(count.to(tl.int64), 0))
+    tl.store(flags_ptr + flag_offset + b, tl.max(bad, 0))
+    if SUMS:
+        tl.store(seq_ptr + b, tl.sum(acc_policy, 0))
+        tl.store(seq_ptr + B + b, tl.sum(acc_kl, 0))
 
 
 @triton.jit
 def _finish_kernel(
-    seq_ptr,  # fp32 [2, B] per-sequence token sums (policy, KL)
+    seq_ptr,  # fp32 [2, B] per-sequence token sums (policy, KL) (SUMS)
     counts_ptr,  # int64 [B] active tokens per sequence
-    scalars_ptr,  # out: fp32 [3] = loss, policy_loss, kl
-    B, beta, constant,
+    weight_ptr,  # out: fp32 [B] = d loss / d (token term) of each sequence's tokens
+    scalars_ptr,  # out: fp32 [3] = loss, policy_loss, kl (SUMS)
+    flags_ptr,  # int32 [2 + F]: [0] row-kernel id flag, [1] out: any flag set, [2:] group and sequence flags
+    B, F, beta, constant,
     # Meta-parameters
     NORMALIZER: tl.constexpr,  # 0 global_active_tokens, 1 per_sequence_then_mean, 2 fixed_constant
+    SUMS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     beta, constant = _f32(beta), _f32(constant)
     acc_policy = tl.zeros((BLOCK,), tl.float32)
     acc_kl = tl.zeros((BLOCK,), tl.float32)
-    acc_n = tl.zeros((BLOCK,), tl.int64)
+    acc_tokens = tl.zeros((BLOCK,), tl.int64)
+    acc_seqs = tl.zeros((BLOCK,), tl.int64)
     for start in range(0, B, BLOCK):
         i = start + tl.arange(0, BLOCK)
         inside = i < B
-        p = tl.load(seq_ptr + i, mask=inside, other=0.0)
-        k = tl.load(seq_ptr + B + i, mask=inside, other=0.0)
         c = tl.load(counts_ptr + i, mask=inside, other=0)
-        if NORMALIZER == 1:
-            denom = tl.maximum(c, 1).to(tl.float32)
-            p = tl.where(c > 0, p / denom, 0.0)
-            k = tl.where(c > 0, k / denom, 0.0)
-            c = tl.where(c > 0, 1, 0).to(tl.int64)  # count sequences, not tokens
-        acc_policy += p
-        acc_kl += k
-        acc_n += c
-    if NORMALIZER == 2:
-        denom = constant
-    else:
-        denom = tl.maximum(tl.sum(acc_n, 0), 1).to(tl.float32)
-    policy_loss = tl.sum(acc_policy, 0) / denom
-    kl = tl.sum(acc_kl, 0) / denom
-    tl.store(scalars_ptr, policy_loss + beta * kl)
-    tl.store(scalars_ptr + 1, policy_loss)
-    tl.store(scalars_ptr + 2, kl)
+        acc_tokens += c
+        acc_seqs += (c > 0).to(tl.int64)
+        if SUMS:
+            p = tl.load(seq_ptr + i, mask=inside, other=0.0)
+            k = tl.load(seq_ptr + B + i, mask=inside, other=0.0)
+            if NORMALIZER == 1:
+                denom = tl.maximum(c, 1).to(tl.float32)
+                p = tl.where(c > 0, p / denom, 0.0)
+                k = tl.where(c > 0, k / denom, 0.0)
+            acc_policy += p
+            acc_kl += k
+    tokens = tl.maximum(tl.sum(acc_tokens, 0), 1).to(tl.float32)
+    seqs = tl.maximum(tl.sum(acc_seqs, 0), 1).to(tl.float32)
+    for start in range(0, B, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inside = i < B
+        c = tl.load(counts_ptr + i, mask=inside, other=0)
+        if NORMALIZER == 0:
+            w = tl.full((BLOCK,), 1.0, tl.float32) / tokens
+        elif NORMALIZER == 1:
+            w = tl.where(c > 0, 1.0 / (tl.maximum(c, 1).to(tl.float32) * seqs), 0.0)
+        else:
+            w = tl.full((BLOCK,), 1.0, tl.float32) / constant
+        tl.store(weight_ptr + i, w, mask=inside)
+    if SUMS:
+        denom = tokens if NORMALIZER == 0 else (seqs if NORMALIZER == 1 else constant)
+        policy_loss = tl.sum(acc_policy, 0) / denom
+        kl = tl.sum(acc_kl, 0) / denom
+        tl.store(scalars_ptr, policy_loss + beta * kl)
+        tl.store(scalars_ptr + 1, policy_loss)
+        tl.store(scalars_ptr + 2, kl)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, F, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        bad = tl.maximum(bad, tl.load(flags_ptr + 2 + i, mask=i < F, other=0))
+    tl.store(flags_ptr + 1, tl.maximum(tl.max(bad, 0), tl.load(flags_ptr)))
+
+
+@triton.jit
+def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
+    """`g *= s` row by row, in place; a no-op (no read, no write) when `s == 1`, as after `loss.backward()`."""
+    s = tl.load(s_ptr)
+    if s != 1.0:
+        row = g_ptr + tl.program_id(0).to(tl.int64) * stride
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            g = tl.load(row + offs, mask=offs < V).to(tl.float32)
+            tl.store(row + offs, (g * s).to(g_ptr.dtype.element_ty), mask=offs < V)
 
 
 _NORMALIZERS = {TokenNormalizer.GLOBAL_ACTIVE_TOKENS: 0, TokenNormalizer.PER_SEQUENCE_THEN_MEAN: 1,
                 TokenNormalizer.FIXED_CONSTANT: 2}
 
 
-def _forward(launch, policy, ref, ids, mask, old, adv, weight, counts, clip_low, clip_high, beta, single_pass,
+def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, std, clip_low, clip_high, beta, single_pass,
              normalizer, constant, grad=None):
-    """All launches of the forward. `grad`: where the single pass writes the gradient (default: a new tensor)."""
+    """All launches of the forward: `(out [3, N] per-token log-probs, adv [B], weight [B], scalars [3] = loss,
+    policy_loss, kl, flags int32 [2 + G + B] ([1]: any bad value), grad)`. Two-pass mode launches the row kernel
+    first, so that the host work of the small launches overlaps it. `grad`: where the single pass writes the
+    gradient (default: a new tensor)."""
     B, T, V = policy.shape
+    G = bounds.numel() - 1
+    dev = policy.device
+    ids, mask = flat(ids), flat(mask)
+    flags = torch.zeros(2 + G + B, dtype=torch.int32, device=dev)  # row kernel, any, per group, per sequence
+    adv, weight = torch.empty(B, dtype=torch.float32, device=dev), torch.empty(B, dtype=torch.float32, device=dev)
+    seq, scalars = torch.empty(2, B, dtype=torch.float32, device=dev), torch.empty(3, dtype=torch.float32, device=dev)
+    counts = torch.empty(B, dtype=torch.int64, device=dev)
     if grad is None:
-        grad = torch.empty(policy.shape if single_pass else (0,), dtype=policy.dtype, device=policy.device)
-    out, err = launch_forward(launch, policy, ref, ids, mask, old, adv, weight, grad if single_pass else None,
-                              clip_low, clip_high, beta)
-    seq = torch.empty(2, B, dtype=torch.float32, device=out.device)
-    launch(_sequence_sums_kernel)[(B,)](out, flat(old), adv, flat(mask), flat(ids), seq, B, T, V, clip_low, clip_high,
-                                        HAS_REF=ref is not None, BLOCK=min(BLOCK_T, triton.next_power_of_2(T)))
-    scalars = torch.empty(3, dtype=torch.float32, device=out.device)
-    launch(_finish_kernel)[(1,)](seq, counts, scalars, B, beta, constant, NORMALIZER=normalizer,
-                                 BLOCK=min(1024, triton.next_power_of_2(B)))
-    return out, err, scalars, grad
+        grad = torch.empty(policy.shape if single_pass else (0,), dtype=policy.dtype, device=dev)
+
+    def rows_kernel():
+        return launch_forward(launch, policy, ref, ids, mask, flags, old, adv, weight,
+                              grad if single_pass else None, clip_low, clip_high, beta)
+
+    def sequences(out, sums):
+        launch(_sequence_kernel)[(B,)](out, old, adv, mask, ids, seq, counts, flags, 2 + G, B, T, V, clip_low,
+                                       clip_high, HAS_REF=ref is not None, SUMS=sums,
+                                       CHECK_MASK=mask.dtype != torch.bool, BLOCK=min(BLOCK_T, triton.next_power_of_2(T)))
+        launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, G + B, beta, constant,
+                                     NORMALIZER=normalizer, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
+
+    out = None if single_pass else rows_kernel()
+    launch_group_norm(launch, rewards, bounds, std, adv, flags, 2)
+    if single_pass:  # the gradient coefficient needs the advantages and the weights first
+        sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read
+        out = rows_kernel()
+    sequences(out, True)
+    return out, adv, weight, scalars, flags, grad
 
 
 @triton_op("grpo_core::grpo_forward", mutates_args={})
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
-                 old: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, clip_low: float,
+                 old: torch.Tensor, rewards: torch.Tensor, bounds: torch.Tensor, std: int, clip_low: float,
                  clip_high: float, beta: float, single_pass: bool, normalizer: int, constant: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(out [3, N], err [1], scalars [3] = loss, policy_loss, kl, grad)`: per-token log-probs, the bad-id flag,
-    the normalized loss, and in single-pass mode `d loss / d policy` (else an empty tensor)."""
-    return _forward(wrap_triton, policy, ref, ids, mask, old, adv, weight, counts, clip_low, clip_high, beta,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(out [3, N], adv [B], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token log-probs,
+    the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode
+    `d loss / d policy` (else an empty tensor)."""
+    return _forward(wrap_triton, policy, ref, ids, mask, old, rewards, bounds, std, clip_low, clip_high, beta,
                     single_pass, normalizer, constant)
 
 
@@ -162,20 +239,31 @@ class _GRPOLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         policy, grad, ids, mask, out, old, adv, weight = ctx.saved_tensors
+        grad_loss = grad_loss.float().reshape(1)
         if grad.numel() == 0:  # two pass
-            args = (policy, ids, mask, out, old, adv, weight, grad_loss.float(), *ctx.opts)
+            args = (policy, ids, mask, out, old, adv, weight, grad_loss, *ctx.opts)
             if torch.compiler.is_compiling():
                 grad = grpo_backward(*args)
             else:
-                grad = launch_grad(lambda k: k, *args[:4], args[7].reshape(1), *args[4:7], *ctx.opts)
-        elif torch.compiler.is_compiling() or not bool(grad_loss == 1.0):  # loss.backward(): no extra pass
+                grad = launch_grad(lambda k: k, *args[:4], grad_loss, *args[4:7], *ctx.opts)
+        elif torch.compiler.is_compiling():
             grad = grad * grad_loss.to(grad.dtype)
+        else:  # scaled in place by a kernel that does nothing when grad_loss == 1: no device sync, no extra pass
+            g = grad.view(-1, grad.shape[-1])  # a view: `inplace` gradients keep the logits' row stride
+            _scale_rows_kernel[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0), BLOCK=block(g.shape[1]))
         return (grad,) + (None,) * 9
 
 
 class TritonGRPOLossOp:
     """Same call as the native op (`NativeGRPOLossOp.__call__`), plus `single_pass` (compute the gradient during
-    the forward) and `inplace` (implies single pass: the gradient overwrites `policy_logits`)."""
+    the forward), `inplace` (implies single pass: the gradient overwrites `policy_logits`) and `check_values`.
+
+    `check_values=True` (default): one device sync per call; a bad id, reward or mask value raises the same
+    `LossContractError` as the native op. `check_values=False`: no sync (the host can run ahead of the GPU); a bad
+    value trips a device-side assert instead, which surfaces as a CUDA error at the next sync and leaves the CUDA
+    context unusable, like an out-of-range target in `torch.nn.functional.cross_entropy`. Either way the kernels
+    never read out of bounds and never use a bad value silently.
+    """
 
     backend = "triton"
 
@@ -185,7 +273,7 @@ class TritonGRPOLossOp:
                  group_boundaries: Any = None, *, clip_eps_high: float | None = None,
                  normalizer: TokenNormalizer | str = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
                  normalizer_constant: float | None = None, advantage_std: AdvantageStd | str = AdvantageStd.POPULATION,
-                 single_pass: bool = False, inplace: bool = False
+                 single_pass: bool = False, inplace: bool = False, check_values: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
@@ -195,24 +283,21 @@ class TritonGRPOLossOp:
         if inplace and not wants_grad:
             raise ValueError("inplace: writing the gradient into policy_logits needs policy_logits.requires_grad "
                              "and grad mode on")
-        old = old_logps.float()
-        adv, reward_err = group_advantages(rewards, o.groups, o.std)
-        counts = o.mask.sum(-1)
-        weight = token_weights(counts, o.normalizer, o.constant)
         clip = (o.clip_eps, o.clip_eps_high, o.beta)
         x = policy_logits.detach()
-        args = (ref_logits, action_ids, o.mask, old, adv, weight, counts, *clip, single, _NORMALIZERS[o.normalizer],
-                o.constant or 1.0)
+        old = old_logps.float()
+        args = (ref_logits, action_ids, completion_mask, old, rewards.float(), bounds_tensor(o.groups, x.device),
+                MODES[o.std], *clip, single, _NORMALIZERS[o.normalizer], o.constant or 1.0)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
-            out, err, scalars, grad = _forward(lambda k: k, x, *args, grad=x)
+            out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
         elif torch.compiler.is_compiling():
-            out, err, scalars, grad = grpo_forward(x, *args)
+            out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
         else:
-            out, err, scalars, grad = _forward(lambda k: k, x, *args)
-        loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
-        check_values_after(err + reward_err, policy_logits, ref_logits, action_ids, old_logps, rewards,
+            out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args)
+        check_values_after(flags[1], check_values, policy_logits, ref_logits, action_ids, old_logps, rewards,
                            completion_mask, o.beta)
+        loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
-            loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, o.mask, out, old, adv, weight,
+            loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
                                    (*clip, ref_logits is not None))
         return loss, policy_loss, kl

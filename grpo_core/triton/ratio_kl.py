@@ -2,8 +2,8 @@
 
 `_logprob_fwd_kernel` reads each active token's policy row and reference row once, together (online max /
 sum-exp in fp32, one exp per element) and, in single-pass mode, computes the token's GRPO gradient coefficient
-and writes `coef * (onehot - softmax)` in the same program, re-reading the policy row while it is still in L2.
-Masked tokens (and tokens whose id is out of range, which raise afterwards) read no logits.
+and writes `coef * (onehot - softmax)` in the same program (a second read of the policy row, which comes from L2
+only if the row is still there). Masked tokens (and tokens whose id is out of range, which raise afterwards) read no logits.
 `_logprob_grad_kernel` is the classic second pass (two-pass mode and the `ratio_kl` backward).
 """
 
@@ -19,11 +19,11 @@ from torch.library import triton_op, wrap_triton
 from ..contract import check_inputs
 from ..native.ratio_kl import ratio_and_kl
 
-# One program per token row. Few warps per row keep the per-chunk max / sum reductions inside a warp (shuffles,
-# no block barriers), and thousands of rows in flight keep HBM busy. Overridable for tuning sweeps.
-BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 2048))  # vocabulary chunk per loop iteration
-NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 1))
-NUM_STAGES = int(os.environ.get("GRPO_TRITON_NUM_STAGES", 4))
+# One program per token row, thousands of rows in flight. Defaults from the H200 sweep in benchmarks/README.md
+# (4 warps x 4096-wide chunks x 3 stages were best on average over V = 32768 .. 151936); overridable for sweeps.
+BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 4096))  # vocabulary chunk per loop iteration
+NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 4))
+NUM_STAGES = int(os.environ.get("GRPO_TRITON_NUM_STAGES", 3))
 
 
 @triton.jit
@@ -112,14 +112,16 @@ def _logprob_fwd_kernel(
     valid = (action >= 0) & (action < V)
     tl.store(err_ptr, 1, mask=active & ~valid)
     active = active & valid
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
     logp = tl.zeros((), tl.float32)
     logp_ref = tl.zeros((), tl.float32)
     lse = tl.zeros((), tl.float32)
     if active:
-        lse, lse_ref = _rows_lse(x_ptr + row * stride_x, r_ptr + row * stride_r, V, HAS_REF, BLOCK)
-        logp = tl.load(x_ptr + row * stride_x + action).to(tl.float32) - lse
+        lse, lse_ref = _rows_lse(x_row, r_row, V, HAS_REF, BLOCK)
+        logp = tl.load(x_row + action).to(tl.float32) - lse
         if HAS_REF:
-            logp_ref = tl.load(r_ptr + row * stride_r + action).to(tl.float32) - lse_ref
+            logp_ref = tl.load(r_row + action).to(tl.float32) - lse_ref
     tl.store(out_ptr + row, logp)
     tl.store(out_ptr + N + row, logp_ref)
     tl.store(out_ptr + 2 * N + row, lse)
@@ -127,7 +129,7 @@ def _logprob_fwd_kernel(
         seq = row // T
         coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), tl.load(adv_ptr + seq), tl.load(w_ptr + seq),
                            clip_low, clip_high, beta, HAS_REF)
-        _write_grad(x_ptr + row * stride_x, g_ptr + row * stride_g, V, lse, coef, action, active, BLOCK)
+        _write_grad(x_row, g_ptr + row * stride_g, V, lse, coef, action, active, BLOCK)
 
 
 @triton.jit
@@ -177,22 +179,22 @@ def block(V: int) -> int:
     return min(BLOCK_V, triton.next_power_of_2(V))
 
 
-def launch_forward(launch, policy, ref, ids, mask, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
-                   clip_high=0.0, beta=0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one)."""
+def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
+                   clip_high=0.0, beta=0.0) -> torch.Tensor:
+    """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one): per-token
+    `[3, N]` log-probs; `err [1]` (int32, zeroed by the caller) is set to 1 when an active id is out of range."""
     x = rows(policy)
     r = rows(ref) if ref is not None else x
     N, V = x.shape
     out = torch.empty(3, N, dtype=torch.float32, device=x.device)
-    err = torch.zeros(1, dtype=torch.int32, device=x.device)
     single = grad is not None
     g = grad.view(N, V) if single else x
     launch(_logprob_fwd_kernel)[(N,)](
         x, r, flat(ids), flat(mask), out, err, flat(old) if single else out, adv if single else out,
         weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0), g.stride(0), clip_low,
-        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, BLOCK=block(V), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
-    return out, err
+        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, BLOCK=block(V),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
 
 
 def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight=None, clip_low=0.0, clip_high=0.0,
@@ -214,7 +216,8 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
 def token_logprobs(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out [3, N] = logp, logp_ref, lse, err [1])` for `[B, T, V]` logits; one pass over each active row."""
-    return launch_forward(wrap_triton, policy, ref, ids, mask)
+    err = torch.zeros(1, dtype=torch.int32, device=policy.device)
+    return launch_forward(wrap_triton, policy, ref, ids, mask, err), err
 
 
 @triton_op("grpo_core::token_logprob_grad", mutates_args={})
@@ -243,7 +246,8 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, policy, ref, ids, mask):
-        out, err = launch_forward(lambda k: k, policy, ref, ids, mask)
+        err = torch.zeros(1, dtype=torch.int32, device=policy.device)
+        out = launch_forward(lambda k: k, policy, ref, ids, mask, err)
         ctx.save_for_backward(policy, ids, mask, out)
         ctx.mark_non_differentiable(err)
         return out, err
@@ -254,17 +258,18 @@ class _TokenLogprobs(torch.autograd.Function):
         return launch_grad(lambda k: k, policy, ids, mask, out, grad_out[0]), None, None, None
 
 
-def check_values_after(err: torch.Tensor, policy_logits, ref_logits, action_ids, old_logps, rewards,
-                       completion_mask, beta: float) -> None:
-    """One device sync after the kernels: if a kernel flagged a bad id or reward (`err`), or a mask value is bad,
-    rerun the full checks for the precise error. (The kernels never read out of bounds: flagged tokens are skipped.)"""
-    bad = err.sum() > 0
-    if completion_mask.dtype != torch.bool:
-        bad = bad | ((completion_mask != 0) & (completion_mask != 1)).any()
-    if torch.compiler.is_compiling():  # no Python branch on device data inside a graph: a device-side assert
-        torch._assert_async(~bad, "grpo_core: bad action_ids, rewards or completion_mask (run eagerly for details)")
-    elif bool(bad):
-        check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta)
+def check_values_after(bad: torch.Tensor, check_values: bool, policy_logits, ref_logits, action_ids, old_logps,
+                       rewards, completion_mask, beta: float) -> None:
+    """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, reward or mask value is bad) into an error. With
+    `check_values`, one device sync, then the full checks for the precise `LossContractError`; without it (and
+    inside a compiled graph, where Python cannot branch on device data), a device-side assert, no sync. (The
+    kernels never read out of bounds: flagged tokens are skipped.)"""
+    if check_values and not torch.compiler.is_compiling():
+        if bool(bad):
+            check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta)
+    else:
+        torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards or completion_mask values (call with "
+                                      "check_values=True, the default, for the precise error)")
 
 
 class TritonRatioKLOp:
@@ -272,12 +277,16 @@ class TritonRatioKLOp:
 
     backend = "triton"
 
-    def __call__(self, policy_logits, ref_logits, action_ids, completion_mask, old_logps):
+    def __call__(self, policy_logits, ref_logits, action_ids, completion_mask, old_logps, *,
+                 check_values: bool = True):
+        """`check_values`: as in `TritonGRPOLossOp` (a device sync and precise errors, or a device-side assert)."""
         mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, beta=1.0,
                             values=False)
         if torch.compiler.is_compiling():
             out, err = token_logprobs(policy_logits, ref_logits, action_ids, mask)
         else:
             out, err = _TokenLogprobs.apply(policy_logits, ref_logits, action_ids, mask)
-        check_values_after(err, policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, 1.0)
+        bad = err[0] if completion_mask.dtype == torch.bool else err[0] | (mask & (completion_mask != 1)).any()
+        check_values_after(bad, check_values, policy_logits, ref_logits, action_ids, old_logps, None,
+                           completion_mask, 1.0)
         return ratio_and_kl(out[0].view(mask.shape), out[1].view(mask.shape), old_logps, mask)
