@@ -17,21 +17,9 @@ MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE
 
 
 @triton.jit
-def _group_norm_kernel(
-    r_ptr,  # rewards [S] fp32
-    bounds_ptr,  # CSR group offsets [G + 1] int64
-    adv_ptr,  # out: advantages [S] fp32
-    flag_ptr,  # out: int32, flag_ptr[flag_offset + g] = 1 where group g holds a non-finite reward
-    flag_offset,
-    floor,  # std floor (1e-6)
-    # Meta-parameters
-    MODE: tl.constexpr,  # 0 population std, 1 unbiased std, 2 no std
-    BLOCK: tl.constexpr,
-):
-    g = tl.program_id(0)
-    floor = tl.cast(floor, tl.float32)  # Inductor passes fp64 scalars
-    lo = tl.load(bounds_ptr + g)
-    hi = tl.load(bounds_ptr + g + 1)
+def group_stats(r_ptr, lo, hi, floor, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """`(mean, scale, bad)` of the rewards `r_ptr[lo:hi]` in fp32: the advantage is `(r - mean) * scale`, with
+    `scale = 1 / max(std, floor)` (1 without std); `bad` is 1 when a reward is not finite."""
     n = (hi - lo).to(tl.float32)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -40,7 +28,6 @@ def _group_norm_kernel(
         r = tl.load(r_ptr + start + cols, mask=start + cols < hi, other=0.0)
         bad = tl.maximum(bad, ((r != r) | (tl.abs(r) == float("inf"))).to(tl.int32))
         acc += r
-    tl.store(flag_ptr + flag_offset + g, tl.max(bad, 0))
     mean = tl.sum(acc, 0) / n
     scale = 1.0
     if MODE != 2:
@@ -51,24 +38,37 @@ def _group_norm_kernel(
             acc += d * d
         var = tl.sum(acc, 0) / (n - 1.0 if MODE == 1 else n)
         scale = 1.0 / tl.maximum(tl.sqrt(var), floor)
+    return mean, scale, tl.max(bad, 0)
+
+
+@triton.jit
+def _group_norm_kernel(
+    r_ptr,  # rewards [S] fp32
+    bounds_ptr,  # CSR group offsets [G + 1] int64
+    adv_ptr,  # out: advantages [S] fp32
+    flag_ptr,  # out: int32 [G], 1 where the group holds a non-finite reward
+    floor,  # std floor (1e-6)
+    # Meta-parameters
+    MODE: tl.constexpr,  # 0 population std, 1 unbiased std, 2 no std
+    BLOCK: tl.constexpr,
+):
+    g = tl.program_id(0)
+    floor = tl.cast(floor, tl.float32)  # Inductor passes fp64 scalars
+    lo = tl.load(bounds_ptr + g)
+    hi = tl.load(bounds_ptr + g + 1)
+    mean, scale, bad = group_stats(r_ptr, lo, hi, floor, MODE, BLOCK)
+    tl.store(flag_ptr + g, bad)
+    cols = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
         inside = start + cols < hi
         r = tl.load(r_ptr + start + cols, mask=inside, other=0.0)
         tl.store(adv_ptr + start + cols, (r - mean) * scale, mask=inside)
 
 
-def launch_group_norm(launch, rewards: torch.Tensor, bounds: torch.Tensor, mode: int, adv: torch.Tensor,
-                      flags: torch.Tensor, flag_offset: int = 0) -> None:
-    """Writes `adv [S]` and the per-group reward flags `flags[flag_offset:][:G]` (`launch`: `wrap_triton` or
-    identity; offsets, not views, because torch.compile clones each mutated view separately)."""
-    launch(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, flags, flag_offset, STD_FLOOR, MODE=mode,
-                                                      BLOCK=BLOCK)
-
-
 def _launch(launch, rewards: torch.Tensor, bounds: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
     adv = torch.empty_like(rewards)
     flags = torch.empty(bounds.numel() - 1, dtype=torch.int32, device=rewards.device)
-    launch_group_norm(launch, rewards, bounds, mode, adv, flags)
+    launch(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, flags, STD_FLOOR, MODE=mode, BLOCK=BLOCK)
     return adv, flags
 
 
@@ -78,16 +78,19 @@ def _group_advantages(rewards: torch.Tensor, bounds: torch.Tensor, mode: int) ->
 
 
 @functools.lru_cache(maxsize=64)
-def bounds_tensor(group_boundaries: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # Cached: a host-to-device copy from pageable memory would wait for the whole stream on every call.
-    return torch.tensor(group_boundaries, dtype=torch.int64, device=device)
+def group_tensors(group_boundaries: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(bounds [G + 1] int64, group of each sequence [S] int32)` on `device`. Cached: a host-to-device copy
+    from pageable memory would wait for the whole stream on every call."""
+    sizes = torch.tensor(group_boundaries[1:]) - torch.tensor(group_boundaries[:-1])
+    group_of = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), sizes)
+    return torch.tensor(group_boundaries, dtype=torch.int64).to(device), group_of.to(device)
 
 
 def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group, fp32 `[S]`, and int32 flags
     `[G]`, 1 for each group that holds a non-finite reward. Eager calls launch directly (no custom-op dispatch)."""
-    bounds = bounds_tensor(tuple(group_boundaries), rewards.device)
+    bounds = group_tensors(tuple(group_boundaries), rewards.device)[0]
     r = rewards.to(torch.float32).contiguous()
     if torch.compiler.is_compiling():
         return _group_advantages(r, bounds, MODES[std])

@@ -3,8 +3,8 @@
 Two-pass mode (the default): the forward streams each active policy and reference row once, together, for the
 log-probs; the backward streams the policy rows again and writes `coef * (onehot - softmax)`, where `coef`, the
 token's `d loss / d logp`, is computed in the kernel from the saved log-probs. Besides the row kernel, the
-forward launches three small kernels (group advantages, per-sequence sums with the bad-value checks, and one
-program for the normalizer and weights), after the row kernel, so that their host cost overlaps it.
+forward launches two small ones after it, so that their host cost overlaps it: one program per sequence (its
+group's advantage, its token sums, the bad-value checks) and one program for the normalizer and the weights.
 
 Single-pass mode (`single_pass=True`): the advantages and the normalizer weights are known before the pass, so
 the forward kernel computes `coef` right after the row's log-sum-exp and writes the gradient in the same program;
@@ -31,7 +31,9 @@ from torch.library import triton_op, wrap_triton
 
 from ..contract import AdvantageStd, TokenNormalizer
 from ..native.grpo_loss import loss_options
-from .group_norm import MODES, bounds_tensor, launch_group_norm
+from ..advantages import STD_FLOOR
+from .group_norm import MODES, group_stats, group_tensors
+from .group_norm import BLOCK as GROUP_BLOCK
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
@@ -41,24 +43,33 @@ BLOCK_T = 1024
 def _sequence_kernel(
     out_ptr,  # fp32 [3, N] = logp, logp_ref, lse from the row kernel (SUMS)
     old_ptr,  # old log-probs [N] fp32 (SUMS)
-    adv_ptr,  # advantages [B] fp32 (SUMS)
+    r_ptr,  # rewards [B] fp32
+    bounds_ptr,  # CSR group offsets [G + 1] int64
+    group_ptr,  # group of each sequence [B] int32
     mask_ptr,  # completion mask [N], any dtype, nonzero = active
     ids_ptr,  # action ids [N]
+    adv_ptr,  # out: advantages [B] fp32
     seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL (SUMS)
     counts_ptr,  # out: int64 [B] = active tokens (mask set, id in range)
-    flags_ptr,  # out: flags_ptr[flag_offset + b] = 1 where a mask value is not 0 / 1 or an id at an active token
-    flag_offset,  # is outside [0, V)
-    B, T, V, clip_low, clip_high,
+    flags_ptr,  # out: int32 [1 + B]; flags_ptr[1 + b] = 1 where a mask value is not 0 / 1, an id at an active
+    # token is outside [0, V), or a reward of the sequence's group is not finite
+    B, T, V, clip_low, clip_high, floor,
     # Meta-parameters
     HAS_REF: tl.constexpr,
     SUMS: tl.constexpr,
     CHECK_MASK: tl.constexpr,  # the mask is not bool: its values must be 0 or 1
+    MODE: tl.constexpr,  # advantage std: 0 population, 1 unbiased, 2 none
     BLOCK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high = _f32(clip_low), _f32(clip_high)  # Inductor passes fp64 scalars
+    clip_low, clip_high, floor = _f32(clip_low), _f32(clip_high), _f32(floor)  # Inductor passes fp64 scalars
     N = B * T
-    adv = tl.load(adv_ptr + b) if SUMS else 0.0
+    g = tl.load(group_ptr + b)
+    mean, scale, bad_reward = group_stats(r_ptr, tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1), floor, MODE,
+                                          BLOCK_G)
+    adv = (tl.load(r_ptr + b) - mean) * scale
+    tl.store(adv_ptr + b, adv)
     acc_policy = tl.zeros((BLOCK,), tl.float32)
     acc_kl = tl.zeros((BLOCK,), tl.float32)
     count = tl.zeros((BLOCK,), tl.int32)
@@ -86,7 +97,7 @@ def _sequence_kernel(
                 d = tl.where(active, tl.load(out_ptr + N + row, mask=inside, other=0.0) - logp, 0.0)
                 acc_kl += tl.exp(d) - d - 1.0
     tl.store(counts_ptr + b, tl.sum(count.to(tl.int64), 0))
-    tl.store(flags_ptr + flag_offset + b, tl.max(bad, 0))
+    tl.store(flags_ptr + 1 + b, tl.maximum(tl.max(bad, 0), bad_reward))
     if SUMS:
         tl.store(seq_ptr + b, tl.sum(acc_policy, 0))
         tl.store(seq_ptr + B + b, tl.sum(acc_kl, 0))
@@ -98,8 +109,8 @@ def _finish_kernel(
     counts_ptr,  # int64 [B] active tokens per sequence
     weight_ptr,  # out: fp32 [B] = d loss / d (token term) of each sequence's tokens
     scalars_ptr,  # out: fp32 [3] = loss, policy_loss, kl (SUMS)
-    flags_ptr,  # int32 [2 + F]: [0] row-kernel id flag, [1] out: any flag set, [2:] group and sequence flags
-    B, F, beta, constant,
+    flags_ptr,  # int32 [1 + B]: [0] out: any flag set; [1:] the sequence flags
+    B, beta, constant,
     # Meta-parameters
     NORMALIZER: tl.constexpr,  # 0 global_active_tokens, 1 per_sequence_then_mean, 2 fixed_constant
     SUMS: tl.constexpr,
@@ -146,10 +157,10 @@ def _finish_kernel(
         tl.store(scalars_ptr + 1, policy_loss)
         tl.store(scalars_ptr + 2, kl)
     bad = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, F, BLOCK):
+    for start in range(0, B, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        bad = tl.maximum(bad, tl.load(flags_ptr + 2 + i, mask=i < F, other=0))
-    tl.store(flags_ptr + 1, tl.maximum(tl.max(bad, 0), tl.load(flags_ptr)))
+        bad = tl.maximum(bad, tl.load(flags_ptr + 1 + i, mask=i < B, other=0))
+    tl.store(flags_ptr, tl.max(bad, 0))
 
 
 @triton.jit
@@ -168,17 +179,16 @@ _NORMALIZERS = {TokenNormalizer.GLOBAL_ACTIVE_TOKENS: 0, TokenNormalizer.PER_SEQ
                 TokenNormalizer.FIXED_CONSTANT: 2}
 
 
-def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, std, clip_low, clip_high, beta, single_pass,
-             normalizer, constant, grad=None):
+def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, group_of, std, clip_low, clip_high, beta,
+             single_pass, normalizer, constant, grad=None):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B], weight [B], scalars [3] = loss,
-    policy_loss, kl, flags int32 [2 + G + B] ([1]: any bad value), grad)`. Two-pass mode launches the row kernel
-    first, so that the host work of the small launches overlaps it. `grad`: where the single pass writes the
+    policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. Two-pass mode launches the row kernel
+    first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
     gradient (default: a new tensor)."""
     B, T, V = policy.shape
-    G = bounds.numel() - 1
     dev = policy.device
     ids, mask = flat(ids), flat(mask)
-    flags = torch.zeros(2 + G + B, dtype=torch.int32, device=dev)  # row kernel, any, per group, per sequence
+    flags = torch.empty(1 + B, dtype=torch.int32, device=dev)
     adv, weight = torch.empty(B, dtype=torch.float32, device=dev), torch.empty(B, dtype=torch.float32, device=dev)
     seq, scalars = torch.empty(2, B, dtype=torch.float32, device=dev), torch.empty(3, dtype=torch.float32, device=dev)
     counts = torch.empty(B, dtype=torch.int64, device=dev)
@@ -186,20 +196,21 @@ def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, std, clip_low
         grad = torch.empty(policy.shape if single_pass else (0,), dtype=policy.dtype, device=dev)
 
     def rows_kernel():
-        return launch_forward(launch, policy, ref, ids, mask, flags, old, adv, weight,
+        return launch_forward(launch, policy, ref, ids, mask, None, old, adv, weight,
                               grad if single_pass else None, clip_low, clip_high, beta)
 
     def sequences(out, sums):
-        launch(_sequence_kernel)[(B,)](out, old, adv, mask, ids, seq, counts, flags, 2 + G, B, T, V, clip_low,
-                                       clip_high, HAS_REF=ref is not None, SUMS=sums,
-                                       CHECK_MASK=mask.dtype != torch.bool, BLOCK=min(BLOCK_T, triton.next_power_of_2(T)))
-        launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, G + B, beta, constant,
+        launch(_sequence_kernel)[(B,)](
+            out, old, rewards, bounds, group_of, mask, ids, adv, seq, counts, flags, B, T, V, clip_low, clip_high,
+            STD_FLOOR, HAS_REF=ref is not None, SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, MODE=std,
+            BLOCK=min(BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=GROUP_BLOCK)
+        launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant,
                                      NORMALIZER=normalizer, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
 
-    out = None if single_pass else rows_kernel()
-    launch_group_norm(launch, rewards, bounds, std, adv, flags, 2)
     if single_pass:  # the gradient coefficient needs the advantages and the weights first
         sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read
+        out = rows_kernel()
+    else:
         out = rows_kernel()
     sequences(out, True)
     return out, adv, weight, scalars, flags, grad
@@ -207,14 +218,15 @@ def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, std, clip_low
 
 @triton_op("grpo_core::grpo_forward", mutates_args={})
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
-                 old: torch.Tensor, rewards: torch.Tensor, bounds: torch.Tensor, std: int, clip_low: float,
+                 old: torch.Tensor, rewards: torch.Tensor, bounds: torch.Tensor, group_of: torch.Tensor, std: int,
+                 clip_low: float,
                  clip_high: float, beta: float, single_pass: bool, normalizer: int, constant: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [3, N], adv [B], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token log-probs,
     the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode
     `d loss / d policy` (else an empty tensor)."""
-    return _forward(wrap_triton, policy, ref, ids, mask, old, rewards, bounds, std, clip_low, clip_high, beta,
-                    single_pass, normalizer, constant)
+    return _forward(wrap_triton, policy, ref, ids, mask, old, rewards, bounds, group_of, std, clip_low, clip_high,
+                    beta, single_pass, normalizer, constant)
 
 
 @triton_op("grpo_core::grpo_backward", mutates_args={})
@@ -286,7 +298,7 @@ class TritonGRPOLossOp:
         clip = (o.clip_eps, o.clip_eps_high, o.beta)
         x = policy_logits.detach()
         old = old_logps.float()
-        args = (ref_logits, action_ids, completion_mask, old, rewards.float(), bounds_tensor(o.groups, x.device),
+        args = (ref_logits, action_ids, completion_mask, old, rewards.float(), *group_tensors(o.groups, x.device),
                 MODES[o.std], *clip, single, _NORMALIZERS[o.normalizer], o.constant or 1.0)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
@@ -294,7 +306,7 @@ class TritonGRPOLossOp:
             out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
         else:
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args)
-        check_values_after(flags[1], check_values, policy_logits, ref_logits, action_ids, old_logps, rewards,
+        check_values_after(flags[0], check_values, policy_logits, ref_logits, action_ids, old_logps, rewards,
                            completion_mask, o.beta)
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:

@@ -39,10 +39,26 @@ def _online_update(x, m, s):
 
 
 @triton.jit
-def _rows_lse(x_row_ptr, r_row_ptr, V, HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
+def _aligned_row(ptr, row, stride, VEC: tl.constexpr):
+    """`(base, shift)`: `base` points `shift` elements before the start of `row`, at the 16-byte boundary (`VEC`
+    elements) at or before it, so that chunks read from `base` are aligned vectors even when the row stride is
+    odd (V = 50257). Assumes a 16-byte-aligned `ptr`, as Triton does when it specializes the kernel for one;
+    otherwise the loads stay correct, just narrower. Never before `ptr`: `row * stride - shift >= 0`."""
+    start = row * stride
+    shift = start % VEC
+    return ptr + tl.multiple_of(start - shift, VEC), shift
+
+
+@triton.jit
+def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, HAS_REF: tl.constexpr, VEC_X: tl.constexpr,
+              VEC_R: tl.constexpr, BLOCK: tl.constexpr):
     """Online log-sum-exp of the policy row (and the reference row, in the same loop) in fp32: one exp per
-    element, one rescale per chunk. Both rows stream together, so twice the bytes are in flight per step."""
+    element, one rescale per chunk. Both rows stream together, so twice the bytes are in flight per step. Chunks
+    start at 16-byte boundaries: the body loads are unmasked aligned vectors; the few columns before the row
+    (first chunk, in bounds: the previous row) count as -inf, and the tail is read in small masked chunks."""
     cols = tl.arange(0, BLOCK)
+    x_base, sx = _aligned_row(x_ptr, row, stride_x, VEC_X)
+    r_base, sr = _aligned_row(r_ptr, row, stride_r, VEC_R)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     m_ref = tl.zeros((), tl.float32)
@@ -50,11 +66,23 @@ def _rows_lse(x_row_ptr, r_row_ptr, V, HAS_REF: tl.constexpr, BLOCK: tl.constexp
     if HAS_REF:
         m_ref = tl.full((), float("-inf"), tl.float32)
         s_ref = tl.zeros((), tl.float32)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        x = tl.load(x_row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    else:
+        sr = sx
+    full = (V + tl.minimum(sx, sr)) // BLOCK  # chunks that end inside both rows
+    for k in range(0, full):
+        offs = k * BLOCK + cols
+        x = tl.where(offs >= sx, tl.load(x_base + offs).to(tl.float32), float("-inf"))
         if HAS_REF:
-            r = tl.load(r_row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            r = tl.where(offs >= sr, tl.load(r_base + offs).to(tl.float32), float("-inf"))
+            m_ref, s_ref = _online_update(r, m_ref, s_ref)
+        m, s = _online_update(x, m, s)
+    SUB: tl.constexpr = 256 if BLOCK > 256 else BLOCK
+    tail = tl.arange(0, SUB)
+    for start in range(full * BLOCK, V + tl.maximum(sx, sr), SUB):  # small masked chunks: few registers
+        offs = start + tail
+        x = tl.load(x_base + offs, mask=(offs >= sx) & (offs < V + sx), other=float("-inf")).to(tl.float32)
+        if HAS_REF:
+            r = tl.load(r_base + offs, mask=(offs >= sr) & (offs < V + sr), other=float("-inf")).to(tl.float32)
             m_ref, s_ref = _online_update(r, m_ref, s_ref)
         m, s = _online_update(x, m, s)
     return m + tl.log(s), m_ref + tl.log(s_ref)
@@ -73,16 +101,49 @@ def _token_coef(logp, logp_ref, old, adv, weight, clip_low, clip_high, beta, HAS
 
 
 @triton.jit
-def _write_grad(x_row_ptr, g_row_ptr, V, lse, coef, action, active, BLOCK: tl.constexpr):
-    """`coef * (onehot(action) - exp(x - lse))` in the gradient's dtype; exact zeros when not active."""
-    cols = tl.arange(0, BLOCK)
-    limit = tl.where(active, V, 0)  # an inactive row reads nothing
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        x = tl.load(x_row_ptr + offs, mask=offs < limit, other=0.0).to(tl.float32)
-        grad = coef * (tl.where(offs == action, 1.0, 0.0) - tl.exp(x - lse))
-        grad = tl.where(active, grad, 0.0)
-        tl.store(g_row_ptr + offs, grad.to(g_row_ptr.dtype.element_ty), mask=offs < V)
+def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, MASKED: tl.constexpr,
+                BLOCK: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
+    c = offs - shift  # column
+    if MASKED:  # the head (columns before the row belong to the previous row) and the tail
+        inside = (c >= 0) & (c < V)
+        x = tl.load(x_base + offs, mask=(c >= 0) & (c < tl.where(active, V, 0)), other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_base + offs, mask=tl.arange(0, BLOCK) < tl.where(active, BLOCK, 0), other=0.0).to(tl.float32)
+    grad = tl.where(active, coef * (tl.where(c == action, 1.0, 0.0) - tl.exp(x - lse)), 0.0)
+    if MASKED:
+        tl.store(g_base + offs, grad.to(g_base.dtype.element_ty), mask=inside)
+    else:
+        tl.store(g_base + offs, grad.to(g_base.dtype.element_ty))
+
+
+@triton.jit
+def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Offsets `[shift, V + shift)` from the aligned bases hold the row: a masked `SUB`-wide head, unmasked
+    `BLOCK`-wide aligned chunks, then masked `SUB`-wide pieces of the tail (small masked chunks keep the scalar
+    loads and stores of the ends from costing registers)."""
+    end = V + shift
+    _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, True, SUB)
+    full = tl.maximum(end - SUB, 0) // BLOCK
+    for k in range(0, full):
+        _grad_chunk(x_base, g_base, SUB + k * BLOCK, shift, V, lse, coef, action, active, False, BLOCK)
+    for start in range(SUB + full * BLOCK, end, SUB):
+        _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, True, SUB)
+
+
+@triton.jit
+def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """`coef * (onehot(action) - exp(x - lse))` in the gradient's dtype for one row; exact zeros (and no reads)
+    when not active. Chunks follow the gradient row's 16-byte boundaries (aligned, unmasked vector stores in the
+    body); the policy row's loads are aligned too when its start sits at the same offset from a boundary."""
+    SUB: tl.constexpr = 256 if BLOCK > 256 else BLOCK
+    g_base, shift = _aligned_row(g_ptr, row, stride_g, VEC)
+    x_start = row * stride_x
+    if x_start % VEC == shift:
+        _grad_row(x_ptr + tl.multiple_of(x_start - shift, VEC), g_base, shift, V, lse, coef, action, active, BLOCK, SUB)
+    else:  # x_start >= row * stride_g >= shift (the gradient rows are packed), so never before x_ptr
+        _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, BLOCK, SUB)
 
 
 @triton.jit
@@ -92,7 +153,7 @@ def _logprob_fwd_kernel(
     ids_ptr,  # action ids [N]
     mask_ptr,  # completion mask [N], nonzero = active
     out_ptr,  # out: fp32 [3, N] = logp, logp_ref, lse (0.0 on masked tokens)
-    err_ptr,  # out: int32 [1], set to 1 when an active id is outside [0, V)
+    err_ptr,  # out: int32 [1], set to 1 when an active id is outside [0, V) (FLAG_IDS)
     old_ptr,  # old log-probs [N] fp32 (SINGLE_PASS)
     adv_ptr,  # advantages [N // T] fp32 (SINGLE_PASS)
     w_ptr,  # normalizer weight per sequence [N // T] fp32 (SINGLE_PASS)
@@ -103,6 +164,9 @@ def _logprob_fwd_kernel(
     # Meta-parameters
     HAS_REF: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    FLAG_IDS: tl.constexpr,  # the GRPO op checks the ids in its per-sequence kernel instead
+    VEC_X: tl.constexpr,  # elements per 16 bytes of the policy logits (and of the gradient)
+    VEC_R: tl.constexpr,  # ... of the reference logits
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -110,7 +174,8 @@ def _logprob_fwd_kernel(
     active = tl.load(mask_ptr + row) != 0
     action = tl.load(ids_ptr + row).to(tl.int64)
     valid = (action >= 0) & (action < V)
-    tl.store(err_ptr, 1, mask=active & ~valid)
+    if FLAG_IDS:
+        tl.store(err_ptr, 1, mask=active & ~valid)
     active = active & valid
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -118,7 +183,7 @@ def _logprob_fwd_kernel(
     logp_ref = tl.zeros((), tl.float32)
     lse = tl.zeros((), tl.float32)
     if active:
-        lse, lse_ref = _rows_lse(x_row, r_row, V, HAS_REF, BLOCK)
+        lse, lse_ref = _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, HAS_REF, VEC_X, VEC_R, BLOCK)
         logp = tl.load(x_row + action).to(tl.float32) - lse
         if HAS_REF:
             logp_ref = tl.load(r_row + action).to(tl.float32) - lse_ref
@@ -129,7 +194,7 @@ def _logprob_fwd_kernel(
         seq = row // T
         coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), tl.load(adv_ptr + seq), tl.load(w_ptr + seq),
                            clip_low, clip_high, beta, HAS_REF)
-        _write_grad(x_row, g_ptr + row * stride_g, V, lse, coef, action, active, BLOCK)
+        _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC_X, BLOCK)
 
 
 @triton.jit
@@ -148,6 +213,7 @@ def _logprob_grad_kernel(
     # Meta-parameters
     COEF_FROM_PTR: tl.constexpr,
     HAS_REF: tl.constexpr,
+    VEC: tl.constexpr,  # elements per 16 bytes of the logits and the gradient
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -162,7 +228,7 @@ def _logprob_grad_kernel(
         seq = row // T
         coef = _token_coef(logp, tl.load(out_ptr + N + row), tl.load(old_ptr + row), tl.load(adv_ptr + seq),
                            tl.load(w_ptr + seq), clip_low, clip_high, beta, HAS_REF) * tl.load(coef_ptr)
-    _write_grad(x_ptr + row * stride_x, g_ptr + row * stride_g, V, lse, coef, action, active, BLOCK)
+    _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC, BLOCK)
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +248,8 @@ def block(V: int) -> int:
 def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
                    clip_high=0.0, beta=0.0) -> torch.Tensor:
     """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one): per-token
-    `[3, N]` log-probs; `err [1]` (int32, zeroed by the caller) is set to 1 when an active id is out of range."""
+    `[3, N]` log-probs; `err [1]` (int32, zeroed by the caller; or None) is set to 1 when an active id is out of
+    range."""
     x = rows(policy)
     r = rows(ref) if ref is not None else x
     N, V = x.shape
@@ -190,10 +257,10 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
     single = grad is not None
     g = grad.view(N, V) if single else x
     launch(_logprob_fwd_kernel)[(N,)](
-        x, r, flat(ids), flat(mask), out, err, flat(old) if single else out, adv if single else out,
+        x, r, flat(ids), flat(mask), out, out if err is None else err, flat(old) if single else out, adv if single else out,
         weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0), g.stride(0), clip_low,
-        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, BLOCK=block(V),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, FLAG_IDS=err is not None, VEC_X=16 // x.element_size(),
+        VEC_R=16 // r.element_size(), BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
@@ -208,7 +275,8 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
     launch(_logprob_grad_kernel)[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old), out if from_ptr else adv,
         out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high,
-        beta, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        beta, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, VEC=16 // x.element_size(), BLOCK=block(V), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return grad.view(policy.shape)
 
 
