@@ -58,20 +58,20 @@ def test_half_precision_against_fp32_reference(dtype, single_pass):
 
 @pytest.mark.parametrize("single_pass", [True, False])
 def test_strided_policy_and_mixed_dtypes(single_pass):
-    # Policy logits sliced out of a padded vocabulary (rows 4104 apart, so their starts sit at other offsets from
+    # Policy logits sliced out of a padded vocabulary (rows 9006 apart, so their starts sit at other offsets from
     # a 16-byte boundary than the packed gradient rows) and fp32 reference logits next to fp16 policy logits, at
-    # an odd V over two chunks.
-    inp = make_inputs(4, 3, 4099, seed=12, dtype=torch.float16, device=DEV)
+    # an odd V over more than two 4096-wide chunks (head, aligned body and tail pieces all run).
+    inp = make_inputs(4, 3, 9001, seed=12, dtype=torch.float16, device=DEV)
     padded = torch.cat([inp["policy_logits"], inp["policy_logits"][..., :5]], -1).requires_grad_(True)
-    call = {**inp, "policy_logits": padded[..., :4099], "ref_logits": inp["ref_logits"].float()}
-    assert call["policy_logits"].stride(1) == 4104
+    call = {**inp, "policy_logits": padded[..., :9001], "ref_logits": inp["ref_logits"].float()}
+    assert call["policy_logits"].stride(1) == 9006
     got = triton(**call, samples_per_prompt=2, single_pass=single_pass)
     got[0].backward()
-    got = (*got, padded.grad[..., :4099])
+    got = (*got, padded.grad[..., :9001])
     want = run(triton, {**call, "policy_logits": inp["policy_logits"]}, samples_per_prompt=2, single_pass=single_pass)
     for name, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, want):
         assert_bitwise_equal(a, b, name)
-    assert bool((padded.grad[..., 4099:] == 0).all())
+    assert bool((padded.grad[..., 9001:] == 0).all())
     ref = run(native, {**call, "policy_logits": inp["policy_logits"].float()}, samples_per_prompt=2)
     assert_close_verbose(got[0], ref[0], atol=1e-3, rtol=1e-3, what="loss")
     assert_close_verbose(got[3].float(), ref[3], atol=1e-5, rtol=1e-3, what="grad")

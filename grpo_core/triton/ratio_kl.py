@@ -68,13 +68,18 @@ def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, HAS_REF: tl.constexpr, V
         s_ref = tl.zeros((), tl.float32)
     else:
         sr = sx
-    full = (V + tl.minimum(sx, sr)) // BLOCK  # chunks that end inside both rows
-    for k in range(0, full):
-        offs = k * BLOCK + cols
-        x = tl.where(offs >= sx, tl.load(x_base + offs).to(tl.float32), float("-inf"))
+    full = (V + tl.minimum(sx, sr)) // BLOCK  # whole chunks that end inside both rows
+    if full > 0:  # the first chunk starts before the row (columns < 0: in bounds, the previous row)
+        x = tl.where(cols >= sx, tl.load(x_base + cols).to(tl.float32), float("-inf"))
         if HAS_REF:
-            r = tl.where(offs >= sr, tl.load(r_base + offs).to(tl.float32), float("-inf"))
+            r = tl.where(cols >= sr, tl.load(r_base + cols).to(tl.float32), float("-inf"))
             m_ref, s_ref = _online_update(r, m_ref, s_ref)
+        m, s = _online_update(x, m, s)
+    for k in range(1, full):  # unmasked, aligned
+        offs = k * BLOCK + cols
+        x = tl.load(x_base + offs).to(tl.float32)
+        if HAS_REF:
+            m_ref, s_ref = _online_update(tl.load(r_base + offs).to(tl.float32), m_ref, s_ref)
         m, s = _online_update(x, m, s)
     SUB: tl.constexpr = 256 if BLOCK > 256 else BLOCK
     tail = tl.arange(0, SUB)
@@ -120,15 +125,19 @@ def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, MASK
 @triton.jit
 def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Offsets `[shift, V + shift)` from the aligned bases hold the row: a masked `SUB`-wide head, unmasked
-    `BLOCK`-wide aligned chunks, then masked `SUB`-wide pieces of the tail (small masked chunks keep the scalar
-    loads and stores of the ends from costing registers)."""
+    aligned `BLOCK`-wide chunks, unmasked `SUB`-wide ones, and one masked `SUB`-wide end (masked chunks are
+    scalar loads and stores, so they are kept small)."""
     end = V + shift
     _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, True, SUB)
     full = tl.maximum(end - SUB, 0) // BLOCK
     for k in range(0, full):
         _grad_chunk(x_base, g_base, SUB + k * BLOCK, shift, V, lse, coef, action, active, False, BLOCK)
-    for start in range(SUB + full * BLOCK, end, SUB):
-        _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, True, SUB)
+    start = SUB + full * BLOCK
+    subs = tl.maximum(end - start, 0) // SUB
+    for j in range(0, subs):
+        _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, False, SUB)
+    if start + subs * SUB < end:
+        _grad_chunk(x_base, g_base, start + subs * SUB, shift, V, lse, coef, action, active, True, SUB)
 
 
 @triton.jit
