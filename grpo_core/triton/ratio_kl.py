@@ -124,15 +124,17 @@ def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, MASK
 
 @triton.jit
 def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, BLOCK: tl.constexpr, SUB: tl.constexpr):
-    """Offsets `[shift, V + shift)` from the aligned bases hold the row: a masked `SUB`-wide head, unmasked
-    aligned `BLOCK`-wide chunks, unmasked `SUB`-wide ones, and one masked `SUB`-wide end (masked chunks are
-    scalar loads and stores, so they are kept small)."""
+    """Offsets `[shift, V + shift)` from the aligned bases hold the row: a masked `SUB`-wide head when the row
+    does not start on a boundary, unmasked aligned `BLOCK`-wide chunks, unmasked `SUB`-wide ones, and one masked
+    `SUB`-wide end (masked chunks are scalar loads and stores, so they are kept small)."""
     end = V + shift
-    _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, True, SUB)
-    full = tl.maximum(end - SUB, 0) // BLOCK
+    head = tl.where(shift == 0, 0, SUB)
+    if shift != 0:
+        _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, True, SUB)
+    full = (end - head) // BLOCK
     for k in range(0, full):
-        _grad_chunk(x_base, g_base, SUB + k * BLOCK, shift, V, lse, coef, action, active, False, BLOCK)
-    start = SUB + full * BLOCK
+        _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, False, BLOCK)
+    start = head + full * BLOCK
     subs = tl.maximum(end - start, 0) // SUB
     for j in range(0, subs):
         _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, False, SUB)
