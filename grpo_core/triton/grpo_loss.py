@@ -10,8 +10,8 @@ Single-pass mode (`single_pass=True`): the advantages and the normalizer weights
 the forward kernel computes `coef` right after the row's log-sum-exp and writes the gradient in the same program;
 the backward only hands it over (scaled in place by a kernel that returns at once when `grad_output == 1`). It
 saves HBM traffic only if the gradient loop's re-read of the policy row hits L2; on the H200 (bf16, 8192 rows of
-64-297 KiB in flight) it mostly does not, and two passes were as fast or faster on average over the benchmark
-shapes (benchmarks/README.md), so two-pass is the default. Memory: both hold one gradient (logits dtype) at the
+64-297 KiB in flight) it mostly does not, and the two-pass kernels took less GPU time at every profiled
+vocabulary (benchmarks/README.md), so two-pass is the default. Memory: both hold one gradient (logits dtype) at the
 peak; single pass allocates it in the forward. `inplace=True` (single pass, eager only) writes it into
 `policy_logits`' own storage, overwriting the logits.
 

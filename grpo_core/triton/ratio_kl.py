@@ -3,7 +3,9 @@
 `_logprob_fwd_kernel` reads each active token's policy row and reference row once, together (online max /
 sum-exp in fp32, one exp per element) and, in single-pass mode, computes the token's GRPO gradient coefficient
 and writes `coef * (onehot - softmax)` in the same program (a second read of the policy row, which comes from L2
-only if the row is still there). Masked tokens (and tokens whose id is out of range, which raise afterwards) read no logits.
+only if the row is still there). Masked tokens (and tokens whose id is out of range, which raise afterwards) read
+no logits. Rows are read in chunks aligned to 16-byte boundaries, so that odd vocabularies (50257) still get
+vector loads: an active row's first chunk may cover up to 15 bytes of the row before it, which are discarded.
 `_logprob_grad_kernel` is the classic second pass (two-pass mode and the `ratio_kl` backward).
 """
 
