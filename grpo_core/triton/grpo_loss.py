@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from ..advantages import STD_FLOOR
 from ..contract import AdvantageStd, TokenNormalizer
 from ..native.grpo_loss import loss_options
-from ..advantages import STD_FLOOR
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
@@ -209,9 +209,7 @@ def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, group_of, std
 
     if single_pass:  # the gradient coefficient needs the advantages and the weights first
         sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read
-        out = rows_kernel()
-    else:
-        out = rows_kernel()
+    out = rows_kernel()
     sequences(out, True)
     return out, adv, weight, scalars, flags, grad
 
@@ -219,8 +217,7 @@ def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, group_of, std
 @triton_op("grpo_core::grpo_forward", mutates_args={})
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
                  old: torch.Tensor, rewards: torch.Tensor, bounds: torch.Tensor, group_of: torch.Tensor, std: int,
-                 clip_low: float,
-                 clip_high: float, beta: float, single_pass: bool, normalizer: int, constant: float
+                 clip_low: float, clip_high: float, beta: float, single_pass: bool, normalizer: int, constant: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [3, N], adv [B], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token log-probs,
     the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode

@@ -5,7 +5,7 @@ sum-exp in fp32, one exp per element) and, in single-pass mode, computes the tok
 and writes `coef * (onehot - softmax)` in the same program (a second read of the policy row, which comes from L2
 only if the row is still there). Masked tokens (and tokens whose id is out of range, which raise afterwards) read
 no logits. Rows are read in chunks aligned to 16-byte boundaries, so that odd vocabularies (50257) still get
-vector loads: an active row's first chunk may cover up to 15 bytes of the row before it, which are discarded.
+vector loads: an active row's first chunk may cover up to 14 bytes of the row before it, which are discarded.
 `_logprob_grad_kernel` is the classic second pass (two-pass mode and the `ratio_kl` backward).
 """
 
@@ -21,7 +21,7 @@ from torch.library import triton_op, wrap_triton
 from ..contract import check_inputs
 from ..native.ratio_kl import ratio_and_kl
 
-# One program per token row, thousands of rows in flight. Defaults from the H200 sweep in benchmarks/README.md
+# One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
 # (4 warps x 4096-wide chunks x 3 stages were best on average over V = 32768 .. 151936); overridable for sweeps.
 BLOCK_V = int(os.environ.get("GRPO_TRITON_BLOCK_V", 4096))  # vocabulary chunk per loop iteration
 NUM_WARPS = int(os.environ.get("GRPO_TRITON_NUM_WARPS", 4))
@@ -68,8 +68,6 @@ def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, HAS_REF: tl.constexpr, V
     if HAS_REF:
         m_ref = tl.full((), float("-inf"), tl.float32)
         s_ref = tl.zeros((), tl.float32)
-    else:
-        sr = sx
     full = (V + tl.minimum(sx, sr)) // BLOCK  # whole chunks that end inside both rows
     if full > 0:  # the first chunk starts before the row (columns < 0: in bounds, the previous row)
         x = tl.where(cols >= sx, tl.load(x_base + cols).to(tl.float32), float("-inf"))
