@@ -43,8 +43,10 @@ def _record(args, layout_names: list[str], world: int) -> dict | None:
         sys.exit(f"--scenarios: unknown {unknown}; expected names from {list(SCENARIOS)}")
     call = (names, layout_names, getattr(args, "plant_drift", None), True)
     if getattr(args, "torchrun", False):
-        return run_torchrun(world_run, *call, device=args.device, timeout_s=args.timeout)
-    return run_world(world_run, world, *call, device=args.device, backend=args.backend, timeout_s=args.timeout)[0]
+        return run_torchrun(world_run, *call, device=args.device, timeout_s=args.timeout,
+                            memory_fraction=args.cuda_memory_fraction)
+    return run_world(world_run, world, *call, device=args.device, backend=args.backend, timeout_s=args.timeout,
+                     memory_fraction=args.cuda_memory_fraction)[0]
 
 
 def load_golden(root: Path, platform: str) -> pd.DataFrame | None:
@@ -149,6 +151,13 @@ def cmd_goldens(args) -> int:
     return 0
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="default: gloo on the CPU; NCCL with one GPU per rank; gloo when ranks share a GPU")
         s.add_argument("--scenarios", default=None, help="comma-separated names (default: all)")
         s.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung world is killed")
+        s.add_argument("--cuda-memory-fraction", type=_fraction, default=0.2,
+                       help="cap on each rank's share of its GPU's memory (default 0.2), so that a run can share a "
+                            "node with a training job")
         s.add_argument("--torchrun", action="store_true", help="this process was started by torchrun")
         s.add_argument("--golden-dir", default=str(GOLDEN), help="goldens live in GOLDEN_DIR/<platform>/")
         if name == "run":

@@ -112,14 +112,21 @@ def pick_backend(device: str, world_size: int) -> str:
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
+def _cuda_device(index: int, memory_fraction: float | None) -> torch.device:
+    """Binds this process to GPU `index`, capped at `memory_fraction` of its memory (so that a run can share
+    a node with a training job)."""
+    dev = torch.device("cuda", index % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    if memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(memory_fraction, dev)
+    return dev
+
+
 def _worker(rank: int, world_size: int, fn: Callable, args: tuple, init_file: str, out_dir: str, device: str,
-            backend: str, timeout_s: float) -> None:
+            backend: str, timeout_s: float, memory_fraction: float | None) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     pin_numerics()
-    dev = torch.device(device)
-    if device == "cuda":
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
+    dev = _cuda_device(rank, memory_fraction) if device == "cuda" else torch.device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -135,17 +142,18 @@ def _worker(rank: int, world_size: int, fn: Callable, args: tuple, init_file: st
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, device: str = "cpu", backend: str | None = None,
-              timeout_s: float = 300.0) -> list[Any]:
+              timeout_s: float = 300.0, memory_fraction: float | None = None) -> list[Any]:
     """Runs `fn(ctx, *args)` on `world_size` spawned ranks and returns each rank's (picklable) result.
 
     `fn` must be importable by name (module level). Raises `RuntimeError` with the failing rank's traceback, or
-    `TimeoutError` after `timeout_s` seconds (the whole world is then killed).
+    `TimeoutError` after `timeout_s` seconds (the whole world is then killed). On CUDA, `memory_fraction` caps
+    each rank's allocations (`torch.cuda.set_per_process_memory_fraction`).
     """
     backend = backend or pick_backend(device, world_size)
     with tempfile.TemporaryDirectory(prefix="grpo-world-") as tmp:
         init_file = os.path.join(tmp, "init")
         ctx = mp.start_processes(_worker, args=(world_size, fn, args, init_file, tmp, device, backend,
-                                                min(timeout_s, 120.0)),
+                                                min(timeout_s, 120.0), memory_fraction),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -168,14 +176,14 @@ def run_world(fn: Callable, world_size: int, *args: Any, device: str = "cpu", ba
         return results
 
 
-def run_torchrun(fn: Callable, *args: Any, device: str = "cpu", timeout_s: float = 300.0) -> Any:
+def run_torchrun(fn: Callable, *args: Any, device: str = "cpu", timeout_s: float = 300.0,
+                 memory_fraction: float | None = None) -> Any:
     """Runs `fn(ctx, *args)` in a process started by `torchrun` (env:// rendezvous); returns this rank's result."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     pin_numerics()
     dev = torch.device(device)
     if device == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
+        dev = _cuda_device(int(os.environ.get("LOCAL_RANK", rank)), memory_fraction)
     backend = pick_backend(device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, timeout=timeout)

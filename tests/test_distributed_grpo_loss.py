@@ -1,9 +1,12 @@
 """The distributed backend: bitwise identical at every TP x DP layout, with negative controls that prove the
-comparison can fail. One world of four real processes (gloo) runs every check; each test reads its part."""
+comparison can fail. One world of real processes runs every check; each test reads its part. The world has four
+ranks (gloo on the CPU; on CUDA, NCCL when there is a GPU per rank, else gloo); `GRPO_TEST_WORLD=8` runs every
+power-of-two layout of eight ranks instead (tp8, dp8, tp2 x dp4, tp4 x dp2 besides the four-rank ones)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -12,10 +15,14 @@ import torch.distributed as dist
 from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, bits, make_inputs
 from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp, VocabParallelLogprobOp
-from harness.topology import Layout, run_world
+from harness.topology import Layout, layouts, run_world
 
 S, T = 8, 32
-LAYOUTS = [Layout(1, 1), Layout(2, 1), Layout(4, 1), Layout(1, 2), Layout(1, 4), Layout(2, 2)]
+WORLD = int(os.environ.get("GRPO_TEST_WORLD", "4"))
+if WORLD not in (4, 8):
+    raise ValueError(f"GRPO_TEST_WORLD: expected 4 or 8, got {WORLD}")
+LAYOUTS = [lay for lay in layouts(WORLD) if lay.tp & (lay.tp - 1) == 0 and lay.dp & (lay.dp - 1) == 0]
+CUDA_MEMORY_FRACTION = 0.1  # each CUDA rank's cap: the suite can share a node with a training job
 GROUPINGS = {"uniform": dict(samples_per_prompt=4), "csr": dict(group_boundaries=(0, 3, 5, 8))}  # 3:5 straddles dp
 NORMALIZERS = [("global_active_tokens", None), ("per_sequence_then_mean", None), ("fixed_constant", 100.0)]
 CASES = [dict(V=V, grouping=g, normalizer=n, constant=c, beta=b, seed=i)
@@ -110,9 +117,17 @@ def _expect_error(fn) -> str:
 
 
 def world_suite(ctx) -> dict:
-    """Everything the four-rank tests check, run once on every rank."""
+    """Everything the tests check, run once on every rank."""
     dev = ctx.device
-    out = {"mismatches": [], "compared": 0, "controls": {}, "identity": [], "repeats": [], "errors": {}}
+    out = {"mismatches": [], "compared": 0, "controls": {}, "identity": [], "repeats": [], "errors": {},
+           "memory_capped": None}
+    if dev.type == "cuda":  # the cap holds: an allocation just above it fails
+        try:
+            torch.empty(int(torch.cuda.get_device_properties(dev).total_memory * CUDA_MEMORY_FRACTION) + 2**28,
+                        dtype=torch.uint8, device=dev)
+            out["memory_capped"] = False
+        except torch.OutOfMemoryError:
+            out["memory_capped"] = True
     for case in CASES:
         inp = case_inputs(case)
         want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
@@ -165,8 +180,10 @@ def world_suite(ctx) -> dict:
                                     and int(bits(r["kl"])) == 0})
         out["identity"][-1]["loss_clip_independent"] = bool(bits(losses[0]) == bits(losses[1]))
 
-    # Run-to-run: three repeats at tp2 x dp2 give identical bytes.
+    # Run-to-run: three repeats at tp2 x dp2 give identical bytes (ranks 0-3; the others sit this out).
     lay, p = Layout(2, 2), ctx.place(Layout(2, 2))
+    if p is None:
+        return out
     case = CASES[-2]
     inp = case_inputs(case)
     runs = [run_local(inp, contract_for(case, lay, p.tp_rank, p.dp_rank), dev, p.tp_group, p.dp_group)
@@ -194,7 +211,8 @@ def world_suite(ctx) -> dict:
 
 
 def _world(device: str) -> list[dict]:
-    return run_world(world_suite, 4, device=device, timeout_s=900)
+    return run_world(world_suite, WORLD, device=device, timeout_s=900,
+                     memory_fraction=CUDA_MEMORY_FRACTION if device == "cuda" else None)
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -210,17 +228,21 @@ pytestmark = pytest.mark.distributed
 def test_every_layout_is_bitwise_identical_to_single_rank(world):
     for r, res in enumerate(world):
         assert res["mismatches"] == [], "\n".join(res["mismatches"][:10])
-    # every (case, layout) ran on every rank that takes part in it: rank 0 is in all 6 layouts, rank 1 in 5
-    assert [res["compared"] for res in world] == [len(CASES) * n for n in (6, 5, 3, 3)]
+    # every (case, layout) ran on every rank that takes part in it (world 4: rank 0 in all 6 layouts, rank 1 in 5)
+    assert [res["compared"] for res in world] == [len(CASES) * sum(lay.world > r for lay in LAYOUTS)
+                                                  for r in range(WORLD)]
 
 
 def test_negative_controls_are_detected(world):
     ctl = world[0]["controls"]
-    for name in ("tp2xdp1", "tp4xdp1", "tp2xdp2"):
-        assert ctl[name]["tp_tiled"] > 0, f"tiling by TP degree went unnoticed at {name}: {ctl[name]}"
-        assert ctl[name]["allreduce_tp"] > 0, f"float all_reduce over TP went unnoticed at {name}: {ctl[name]}"
-    for name in ("tp1xdp2", "tp1xdp4", "tp2xdp2"):
-        assert ctl[name]["allreduce_dp"] > 0, f"float all_reduce over DP went unnoticed at {name}: {ctl[name]}"
+    assert sorted(ctl) == sorted(lay.name for lay in LAYOUTS)
+    for lay in LAYOUTS:
+        c = ctl[lay.name]
+        if lay.tp > 1:
+            assert c["tp_tiled"] > 0, f"tiling by TP degree went unnoticed at {lay.name}: {c}"
+            assert c["allreduce_tp"] > 0, f"float all_reduce over TP went unnoticed at {lay.name}: {c}"
+        if lay.dp > 1:
+            assert c["allreduce_dp"] > 0, f"float all_reduce over DP went unnoticed at {lay.name}: {c}"
     assert ctl["tp1xdp1"] == {"tp_tiled": 0, "allreduce_tp": 0, "allreduce_dp": 0}  # controls agree with themselves
 
 
@@ -232,8 +254,16 @@ def test_identity_ratio_one_kl_zero_clip_independent(world):
                 assert row["loss_clip_independent"], row
 
 
+def test_cuda_ranks_cap_their_memory(world):
+    capped = [res["memory_capped"] for res in world]
+    if capped[0] is None:
+        pytest.skip("a CPU world: no CUDA memory to cap")
+    assert all(capped), f"an allocation above the {CUDA_MEMORY_FRACTION} cap succeeded on ranks {capped}"
+
+
 def test_run_to_run_repeats_identical(world):
-    assert all(all(res["repeats"]) for res in world)
+    for res in world[:4]:  # the ranks of tp2 x dp2
+        assert len(res["repeats"]) == len(FIELDS) and all(res["repeats"]), res["repeats"]
 
 
 @pytest.mark.parametrize("check,needles", [
@@ -244,7 +274,7 @@ def test_run_to_run_repeats_identical(world):
     ("group_size", ["tp_group: the contract says tp_world_size=4"]),
 ])
 def test_preflight_raises_on_every_rank(world, check, needles):
-    for r, res in enumerate(world):
+    for r, res in enumerate(world[:4]):  # the ranks of tp2 x dp2
         msg = res["errors"][check]
         assert all(n in msg for n in needles), f"rank {r}: {msg}"
 

@@ -126,3 +126,11 @@ def test_runs_under_torchrun(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "(gloo, world 2)" in proc.stdout and "vs golden: identical=3" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_cuda_memory_fraction_outside_zero_one_is_refused(value, capsys):
+    from harness.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["run", "--cuda-memory-fraction", value])
+    assert f"--cuda-memory-fraction: expected a fraction in (0, 1], got {value}" in capsys.readouterr().err
