@@ -77,6 +77,18 @@ def test_strided_policy_and_mixed_dtypes(single_pass):
     assert_close_verbose(got[3].float(), ref[3], atol=1e-5, rtol=1e-3, what="grad")
 
 
+@pytest.mark.parametrize("V", [1, 3, 5])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_tiny_vocabulary_in_half_precision(V, single_pass):
+    # Rows of 2-6 bytes: 16-byte-aligned chunks start up to 7 columns before a row, more than the row is wide.
+    inp = make_inputs(6, 5, V, seed=13, dtype=torch.bfloat16, device=DEV)
+    got = run(triton, inp, samples_per_prompt=2, single_pass=single_pass)
+    ref = {**inp, "policy_logits": inp["policy_logits"].float(), "ref_logits": inp["ref_logits"].float()}
+    want = run(native, ref, samples_per_prompt=2)
+    assert_close_verbose(got[0], want[0], atol=1e-2, rtol=1e-2, what="loss")
+    assert_close_verbose(got[3].float(), want[3], atol=1e-4, rtol=1e-2, what="grad")
+
+
 def test_single_pass_equals_two_pass():
     inp = make_inputs(4, 6, 129, seed=8, device=DEV)
     one = run(triton, inp, samples_per_prompt=4, single_pass=True)
@@ -208,6 +220,27 @@ def test_t_equals_one_and_all_masked():
     inp["completion_mask"][:] = False
     got = run(triton, inp, samples_per_prompt=2)
     assert got[0].item() == 0.0 and bool((got[3] == 0).all())
+
+
+@pytest.mark.parametrize("empty", ["T", "V"])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_empty_sequences_or_vocabulary_match_native(empty, single_pass):
+    inp = make_inputs(2, 3, 11, seed=4, device=DEV)
+    if empty == "T":  # [B, 0, V]
+        inp = {k: v[:, :0] if v.dim() >= 2 else v for k, v in inp.items()}
+    else:  # [B, T, 0]: legal only when no token is active
+        inp = {k: v[..., :0] if v.dim() == 3 else v for k, v in inp.items()}
+        inp["completion_mask"][:] = False
+    got, want = run(triton, inp, samples_per_prompt=2, single_pass=single_pass), run(native, inp, samples_per_prompt=2)
+    for name, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, want):
+        assert_bitwise_equal(a, b, name)
+
+
+def test_no_sequences_is_refused_by_both_ops():
+    inp = {k: v[:0] for k, v in make_inputs(2, 3, 11, seed=4, device=DEV).items()}
+    for op in (native, triton):
+        with pytest.raises(LossContractError, match=r"policy_logits: expected at least one sequence \(B >= 1\)"):
+            op(**inp, samples_per_prompt=2)
 
 
 def test_registry_auto_never_picks_triton_for_cpu_tensors():

@@ -63,6 +63,8 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
     constant = check_normalizer_constant(normalizer, normalizer_constant)
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta,
                         values=values)
+    if policy_logits.shape[0] == 0:
+        raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")
     groups = check_groups(policy_logits.shape[0], samples_per_prompt, group_boundaries, std)
     return LossOptions(mask, clip_eps, clip_eps_high, beta, groups, std, normalizer, constant)
 

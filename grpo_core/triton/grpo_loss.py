@@ -203,7 +203,7 @@ def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, group_of, std
         launch(_sequence_kernel)[(B,)](
             out, old, rewards, bounds, group_of, mask, ids, adv, seq, counts, flags, B, T, V, clip_low, clip_high,
             STD_FLOOR, HAS_REF=ref is not None, SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, MODE=std,
-            BLOCK=min(BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=GROUP_BLOCK)
+            BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant,
                                      NORMALIZER=normalizer, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
 
@@ -258,8 +258,9 @@ class _GRPOLoss(torch.autograd.Function):
         elif torch.compiler.is_compiling():
             grad = grad * grad_loss.to(grad.dtype)
         else:  # scaled in place by a kernel that does nothing when grad_loss == 1: no device sync, no extra pass
-            g = grad.view(-1, grad.shape[-1])  # a view: `inplace` gradients keep the logits' row stride
-            _scale_rows_kernel[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0), BLOCK=block(g.shape[1]))
+            g = grad.view(grad.shape[0] * grad.shape[1], grad.shape[2])  # `inplace`: the logits' row stride
+            if g.shape[0] > 0:
+                _scale_rows_kernel[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0), BLOCK=block(g.shape[1]))
         return (grad,) + (None,) * 9
 
 

@@ -131,7 +131,7 @@ def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, BLOCK: tl.con
     head = tl.where(shift == 0, 0, SUB)
     if shift != 0:
         _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, True, SUB)
-    full = (end - head) // BLOCK
+    full = tl.maximum(end - head, 0) // BLOCK
     for k in range(0, full):
         _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, False, BLOCK)
     start = head + full * BLOCK
@@ -244,7 +244,7 @@ def _logprob_grad_kernel(
 
 def rows(t: torch.Tensor) -> torch.Tensor:
     """`[B, T, V]` as `[N, V]` rows with unit column stride (a copy only when the layout demands one)."""
-    t = t.reshape(-1, t.shape[-1])
+    t = t.reshape(t.shape[0] * t.shape[1], t.shape[2])
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -253,7 +253,9 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def block(V: int) -> int:
-    return min(BLOCK_V, triton.next_power_of_2(V))
+    """Columns per chunk: at least 16, one 16-byte vector of any logits dtype, so that the aligned chunks of
+    `_rows_lse` / `_write_grad` never start more than one chunk before a row."""
+    return max(16, min(BLOCK_V, triton.next_power_of_2(V)))
 
 
 def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
@@ -267,11 +269,14 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
     out = torch.empty(3, N, dtype=torch.float32, device=x.device)
     single = grad is not None
     g = grad.view(N, V) if single else x
+    if N == 0:  # T = 0: nothing to launch
+        return out
     launch(_logprob_fwd_kernel)[(N,)](
-        x, r, flat(ids), flat(mask), out, out if err is None else err, flat(old) if single else out, adv if single else out,
-        weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0), g.stride(0), clip_low,
-        clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single, FLAG_IDS=err is not None, VEC_X=16 // x.element_size(),
-        VEC_R=16 // r.element_size(), BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        x, r, flat(ids), flat(mask), out, out if err is None else err, flat(old) if single else out,
+        adv if single else out, weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0),
+        g.stride(0), clip_low, clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single,
+        FLAG_IDS=err is not None, VEC_X=16 // x.element_size(), VEC_R=16 // r.element_size(), BLOCK=block(V),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
@@ -283,6 +288,8 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
     N, V = x.shape
     grad = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
     from_ptr = old is None
+    if N == 0:
+        return grad.view(policy.shape)
     launch(_logprob_grad_kernel)[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old), out if from_ptr else adv,
         out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high,
