@@ -66,8 +66,8 @@ def main() -> None:
             label = mode if mode == "fwd" else f"{mode} {'single' if single else 'two-pass'}"
             label += "" if check else " unchecked"
             print(f"V={V:6d} {label:28s} wall {wall:7.3f} ms  call returns {call:7.3f} ms  kernels {total:7.3f} ms  "
-                  f"host share {max(0.0, 1 - total / wall):5.1%}  row kernels {row_ms:7.3f} ms = {moved / row_ms / 1e9:6.2f} TB/s "
-                  f"(copy {bw / 1e12:.2f} TB/s)", flush=True)
+                  f"host share {max(0.0, 1 - total / wall):5.1%}  row kernels {row_ms:7.3f} ms = "
+                  f"{moved / row_ms / 1e9:6.2f} TB/s (copy {bw / 1e12:.2f} TB/s)", flush=True)
             for e in sorted(kernels, key=lambda e: -e.device_time_total)[:4]:
                 print(f"      {e.device_time_total / 1e3:8.3f} ms  x{e.count:<3d} {e.key[:70]}")
 
