@@ -61,14 +61,3 @@ def normalize(per_sequence: torch.Tensor, counts: torch.Tensor, normalizer: Toke
         return _div(tree_sum(per_sequence), constant)
     raise AssertionError(normalizer)
 
-
-def token_weights(counts: torch.Tensor, normalizer: TokenNormalizer, constant: float | None) -> torch.Tensor:
-    """`d loss / d (token term)` of each sequence's tokens under `normalize`, fp32 `[S]` (no device sync)."""
-    ones = torch.ones(counts.shape, dtype=torch.float32, device=counts.device)
-    if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
-        return ones / counts.sum().clamp(min=1).float()
-    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
-        active = counts > 0
-        per_seq = ones / (counts.clamp(min=1).float() * active.sum().clamp(min=1).float())
-        return torch.where(active, per_seq, torch.zeros_like(per_seq))
-    return ones / constant
