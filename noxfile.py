@@ -33,16 +33,17 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def determinism(session: nox.Session) -> None:
-    """The gate: every scenario on every TP x DP layout (default world 4, CPU), diffed bitwise against the
-    single-rank run and this platform's golden; exits non-zero on any drift. Extra arguments go to
-    `python -m harness run` (e.g. `-- --device cuda`, `-- --max-world 8`)."""
+    """The gate: every scenario on every TP x DP layout, diffed bitwise against the single-rank run and the golden.
+
+    Default world 4 on the CPU; exits non-zero on any drift. Extra arguments go to `python -m harness run` (e.g.
+    `-- --device cuda`, `-- --max-world 8`)."""
     _install(session)
     session.run("python", "-m", "harness", "run", *session.posargs)
 
 
 @nox.session(default=False)
 def goldens(session: nox.Session) -> None:
-    """Re-record this platform's goldens (explicit; review the diff before committing). `-- --device cuda`."""
+    """Re-record the goldens, one set for every platform (explicit; review the diff before committing)."""
     _install(session)
     session.run("python", "-m", "harness", "goldens", *session.posargs)
 

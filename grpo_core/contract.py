@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # Bumped whenever the arithmetic behind a fingerprint changes, so old goldens stop matching loudly.
-MATH_VERSION = "grpo-core-math-1"
+MATH_VERSION = "grpo-core-math-2"  # 2: the canonical math (portable exp / log / sqrt, adjacent-pair trees)
 DEFAULT_VOCAB_TILE = 128
 
 
@@ -445,3 +445,35 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         bad = active_ids[out_of_range][:8].tolist()
         raise LossContractError(f"action_ids: expected ids in [0, {vocab_size}) at active tokens, got {bad}")
     return mask
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The plain-call options, validated: what every backend's `__call__` runs with."""
+
+    mask: torch.Tensor
+    clip_eps: float
+    clip_eps_high: float
+    beta: float
+    groups: tuple[int, ...]
+    std: AdvantageStd
+    normalizer: TokenNormalizer
+    constant: float | None
+
+
+def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
+                 samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
+                 values: bool = True) -> LossOptions:
+    """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
+    clip_eps = check_float("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
+    clip_eps_high = check_float("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
+    beta = check_float("beta", beta, minimum=0.0)
+    normalizer = check_enum(TokenNormalizer, "normalizer", normalizer)
+    std = check_enum(AdvantageStd, "advantage_std", advantage_std)
+    constant = check_normalizer_constant(normalizer, normalizer_constant)
+    mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta,
+                        values=values)
+    if policy_logits.shape[0] == 0:
+        raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")
+    groups = check_groups(policy_logits.shape[0], samples_per_prompt, group_boundaries, std)
+    return LossOptions(mask, clip_eps, clip_eps_high, beta, groups, std, normalizer, constant)

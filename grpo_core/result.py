@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -27,3 +28,10 @@ class GRPOLossResult:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.loss, self.policy_loss, self.kl))
+
+
+def provenance(backend: str, logits: torch.Tensor, **extra: Any) -> dict[str, Any]:
+    """What ran: backend, versions, device and dtype, plus `extra` (the contract fingerprint, ...)."""
+    return {"backend": backend, "torch": torch.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(logits.device) if logits.is_cuda else platform.machine(),
+            "dtype": str(logits.dtype).removeprefix("torch."), **extra}

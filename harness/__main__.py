@@ -1,9 +1,12 @@
 """`python -m harness run|diff|goldens`: the determinism gate without nox.
 
   run      every scenario on every TP x DP layout of up to --max-world ranks; bitwise diff of every topology
-           against the single-rank run and of the run against this platform's golden; exit 1 on any drift
+           against the single-rank run and of the run against the golden; exit 1 on any drift
   diff     two recorded runs (run.parquet files), bitwise
-  goldens  record this platform's goldens (explicit: never a side effect of `run`)
+  goldens  record the goldens (explicit: never a side effect of `run`)
+
+There is one golden set for every platform: the canonical math gives the same bits on every machine and on the
+CPU and the GPU, so a golden recorded anywhere must hold everywhere.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from pathlib import Path
 import pandas as pd
 
 from .diff import SINGLE, differences, format_differences, summarize, topology_differences
-from .record import read_table, world_run, write_table
+from .record import git_commit, read_table, world_run, write_table
 from .scenarios import SCENARIOS
 from .topology import layouts, run_torchrun, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "golden"
+GOLDEN = ROOT / "golden" / "canonical"
+PROVENANCE_KEYS = ("git_commit", "math_version", "machine", "cpu_model", "cpu_capability", "device", "device_type",
+                   "torch", "triton", "python", "process_group", "threads_per_rank")
 
 
 def platform_name(device: str) -> str:
@@ -49,12 +54,23 @@ def _record(args, layout_names: list[str], world: int) -> dict | None:
                      memory_fraction=args.cuda_memory_fraction)[0]
 
 
-def load_golden(root: Path, platform: str) -> pd.DataFrame | None:
-    folder = root / platform
+def load_golden(folder: Path) -> tuple[pd.DataFrame, dict] | None:
+    """The golden rows and the manifest's provenance, or None when the folder holds no golden."""
     files = sorted(folder.glob("*.parquet")) if folder.is_dir() else []
     if not files:
         return None
-    return pd.concat([read_table(f)[0] for f in files], ignore_index=True)
+    manifest = folder / "MANIFEST.json"
+    recorded = json.loads(manifest.read_text()).get("provenance", {}) if manifest.is_file() else {}
+    return pd.concat([read_table(f)[0] for f in files], ignore_index=True), recorded
+
+
+def side_by_side(golden: dict, run: dict) -> str:
+    """The golden's provenance next to this run's, one key a line, `*` where they differ."""
+    lines = [f"  {'':16s} {'golden':44s} this run"]
+    for k in PROVENANCE_KEYS:
+        a, b = str(golden.get(k, "?")), str(run.get(k, "?"))
+        lines.append(f"{'*' if a != b else ' '} {k:16s} {a:44s} {b}")
+    return "\n".join(lines)
 
 
 def cmd_run(args) -> int:
@@ -74,24 +90,23 @@ def cmd_run(args) -> int:
 
     topo = topology_differences(df)
     table = summarize(df, topo).rename(columns={"status": "vs_single_rank"})
-    golden_root = Path(args.golden_dir)
-    golden = load_golden(golden_root, meta["platform"])
+    golden_dir = Path(args.golden_dir)
+    loaded = load_golden(golden_dir)
     failures = [f"guard {name}: {msg}" for name, msg in out["guards"].items() if msg]
-    if golden is None:
+    record_cmd = f"nox -s goldens -- --device {args.device}   (or python -m harness goldens --device {args.device})"
+    if loaded is None:
         table["vs_golden"] = "no golden"
-        failures.append(f"no golden for platform {meta['platform']!r} under {golden_root}/; record one "
-                        f"with: nox -s goldens -- --device {args.device}   (or python -m harness goldens --device "
-                        f"{args.device})")
+        failures.append(f"no golden under {golden_dir}/; record one with: {record_cmd}")
         gold = pd.DataFrame(columns=topo.columns)
     else:
+        golden, recorded = loaded
         gold = differences(df[df["scenario"].isin(golden["scenario"].unique())], golden)
         gsum = summarize(df, gold).set_index(["scenario", "topology"])
         table["vs_golden"] = [gsum.loc[(s, t), "status"] if (s, t) in gsum.index else "no golden"
                               for s, t in zip(table["scenario"], table["topology"])]
         missing = sorted(set(df["scenario"]) - set(golden["scenario"]))
         if missing:
-            failures.append(f"no golden for scenarios {missing}; record them with: nox -s goldens -- --device "
-                            f"{args.device}")
+            failures.append(f"no golden for scenarios {missing}; record them with: {record_cmd}")
         ref = df[df["topology"] == SINGLE].groupby("scenario")["fingerprint"].first()
         stale = [s for s, fp in golden.groupby("scenario")["fingerprint"].first().items() if ref.get(s, fp) != fp]
         if stale:
@@ -109,6 +124,12 @@ def cmd_run(args) -> int:
                               f"scalar moved: {'yes' if c.scalar_moved else 'no'}; max {c.max_ulp:.0f} ULP"
                               for c in cells.itertuples(index=False))
             failures.append(f"{len(diffs)} values {what}:\n{moved}\n" + format_differences(diffs))
+    if len(gold):
+        failures.append("the golden was recorded here (`*`: differs from this run):\n"
+                        + side_by_side(recorded, out["provenance"])
+                        + "\nThe canonical math promises the same bits on every machine, so a difference is a "
+                          "change of the math (or a bug) to explain. Re-record the goldens, once the change is "
+                          f"intended, with: {record_cmd}")
     report = ["# Determinism run", "", f"Platform `{meta['platform']}`, provenance:", "",
               "```json", json.dumps(out["provenance"], indent=1), "```", "", "```", grid.to_string(), "```", "",
               "## Failures" if failures else "All identical.", ""]
@@ -132,10 +153,17 @@ def cmd_diff(args) -> int:
 
 
 def cmd_goldens(args) -> int:
+    commit = git_commit()
+    if commit.endswith("-dirty") and not args.allow_dirty:
+        print(f"goldens: the working tree has uncommitted changes ({commit}); commit first, so that the manifest "
+              f"names the code that recorded them, or pass --allow-dirty", file=sys.stderr)
+        return 2
     out = _record(args, [SINGLE], 1)
     platform = platform_name(args.device)
-    folder = Path(args.golden_dir) / platform
+    folder = Path(args.golden_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.parquet"):
+        stale.unlink()
     df = pd.DataFrame(out["rows"])
     files = {}
     for name, rows in df.groupby("scenario"):
@@ -173,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="cap on each rank's share of its GPU's memory (default 0.2), so that a run can share a "
                             "node with a training job")
         s.add_argument("--torchrun", action="store_true", help="this process was started by torchrun")
-        s.add_argument("--golden-dir", default=str(GOLDEN), help="goldens live in GOLDEN_DIR/<platform>/")
+        s.add_argument("--golden-dir", default=str(GOLDEN), help="the golden set (default: golden/canonical)")
+        if name == "goldens":
+            s.add_argument("--allow-dirty", action="store_true",
+                           help="record from a working tree with uncommitted changes")
         if name == "run":
             s.add_argument("--max-world", type=int, default=int(os.environ.get("GRPO_MAX_WORLD", 4)))
             s.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from grpo_core.contract import MATH_VERSION
 from grpo_core.distributed import DistributedGRPOLossOp
 
 from .scenarios import SCENARIOS, RegroupedTokenSumOp, Scenario
@@ -145,6 +146,14 @@ def git_commit() -> str:
         return "unknown"
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return platform.processor() or "unknown"
+
+
 def provenance(ctx: RankContext) -> dict[str, Any]:
     try:
         import triton
@@ -153,8 +162,9 @@ def provenance(ctx: RankContext) -> dict[str, Any]:
         triton_version = None
     dev = ctx.device
     return {
-        "backend": "distributed", "process_group": ctx.backend, "world_size": ctx.world_size,
-        "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+        "backend": "distributed", "math_version": MATH_VERSION, "process_group": ctx.backend,
+        "world_size": ctx.world_size, "torch": torch.__version__, "triton": triton_version,
+        "python": platform.python_version(), "machine": platform.machine(), "cpu_model": cpu_model(),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
         "device_type": dev.type, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads_per_rank": torch.get_num_threads(), "tf32": torch.backends.cuda.matmul.allow_tf32,

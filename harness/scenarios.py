@@ -3,14 +3,12 @@ platform sees the same input bits."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from grpo_core import GRPOLossContract, ShardingSpec
 from grpo_core.distributed import DistributedGRPOLossOp, VocabParallelLogprobOp
-from grpo_core.native.grpo_loss import grpo_terms
 
 
 @dataclass(frozen=True)
@@ -82,12 +80,12 @@ SCENARIOS = {s.name: s for s in [
 ]}
 
 
-def sequential_sum(x: torch.Tensor) -> torch.Tensor:
-    """A deliberately different summation tree: left to right along the last dim."""
-    return torch.cumsum(x, dim=-1)[..., -1]
-
-
 class RegroupedTokenSumOp(DistributedGRPOLossOp):
-    """A planted drift: the per-sequence token sum is regrouped (sequential instead of the fixed tree)."""
+    """A planted drift: the per-sequence token sum is regrouped (left to right instead of the fixed tree)."""
 
-    token_terms = staticmethod(functools.partial(grpo_terms, token_sum=sequential_sum))
+    @staticmethod
+    def _token_sum(terms: torch.Tensor) -> torch.Tensor:
+        total = terms[..., 0] + 0.0  # fp32 adds, left to right (torch.cumsum accumulates in double on the CPU)
+        for t in range(1, terms.shape[-1]):
+            total = total + terms[..., t]
+        return total

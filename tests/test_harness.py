@@ -72,23 +72,26 @@ def test_planted_drift_names_the_sequences_and_field(tmp_path):
 
 def test_modified_golden_fails(clean_run, tmp_path):
     gold = tmp_path / "golden"
-    shutil.copytree(ROOT / "golden" / "cpu", gold / "cpu")
-    df, meta = read_table(gold / "cpu" / f"{SCN}.parquet")
+    shutil.copytree(ROOT / "golden" / "canonical", gold)
+    df, meta = read_table(gold / f"{SCN}.parquet")
     row = (df["field"] == "per_sequence_kl") & (df["index"] == 3)
     df.loc[row, "bits"] = df.loc[row, "bits"] + 1  # one ULP on one sequence
-    write_table(df.to_dict("records"), gold / "cpu" / f"{SCN}.parquet", meta)
+    write_table(df.to_dict("records"), gold / f"{SCN}.parquet", meta)
     proc = harness("run", "--max-world", "1", "--scenarios", SCN, "--golden-dir", str(gold), "--out",
                    str(tmp_path / "run"))
     assert proc.returncode == 1
     assert "differ from the golden" in proc.stderr and f"{SCN} tp1xdp1 per_sequence_kl[3]" in proc.stderr
     assert "1 ULP" in proc.stderr
+    # Both provenances side by side, and how to record a golden.
+    assert "golden" in proc.stderr and "this run" in proc.stderr and "cpu_model" in proc.stderr
+    assert "nox -s goldens -- --device cpu" in proc.stderr
 
 
 def test_missing_golden_is_reported_with_the_command(tmp_path):
     proc = harness("run", "--max-world", "1", "--scenarios", "identity", "--golden-dir", str(tmp_path), "--out",
                    str(tmp_path / "run"))
     assert proc.returncode == 1
-    assert "no golden for platform 'cpu'" in proc.stderr and "nox -s goldens -- --device cpu" in proc.stderr
+    assert f"no golden under {tmp_path}" in proc.stderr and "nox -s goldens -- --device cpu" in proc.stderr
 
 
 def test_diff_counts_signed_zero_and_nan_payloads():

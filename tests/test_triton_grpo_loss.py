@@ -7,7 +7,7 @@ import torch
 
 from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, make_inputs
 from grpo_core import LossContractError, kernel_registry
-from grpo_core.advantages import group_advantages as native_advantages
+from grpo_core.canonical import group_advantages as native_advantages
 from grpo_core.contract import AdvantageStd
 
 DEV = "cuda" if HAS_CUDA else "cpu"  # cpu: the Triton interpreter (conftest sets TRITON_INTERPRET=1)

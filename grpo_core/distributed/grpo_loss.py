@@ -1,12 +1,13 @@
-"""Distributed GRPO loss over vocab-parallel TP x DP, bit-identical at every TP x DP degree.
-
-Only sums can change bits, so every sum has a shape fixed by the contract:
+"""Distributed GRPO loss over vocab-parallel TP x DP: the same bits at every TP x DP layout, on every machine and
+device, because every number is the canonical math of `canonical.py` and every sum has a shape fixed by the
+contract:
 - vocabulary: fixed-width tiles merged in global tile order (`vocab_parallel_logprob.py`);
-- tokens: each sequence's token sum is a `tree_sum` over the fixed `padded_seq_len` extent, computed by the DP
+- tokens: each sequence's token sum is a `pair_sum` over the fixed `padded_seq_len` extent, computed by the DP
   rank that owns the whole sequence;
 - sequences: per-sequence totals travel by `all_gather` in DP-rank order and are summed in global sequence order;
 - counts travel as integers; advantages are computed on every rank from the gathered global reward vector.
-No float is ever `all_reduce`d. The elementwise math is the native op's own (`native/ratio_kl.py`).
+No float is ever `all_reduce`d. The gradient is analytic (`canonical.token_coef`), written chunk by chunk: the
+extra memory is one gradient in the logits' dtype plus `O(tokens * vocab / tile_width)`.
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..advantages import group_advantages
+from .. import canonical
 from ..contract import GRPOLossContract, LossContractError, check_inputs
-from ..native.grpo_loss import combine, grpo_terms, provenance
-from ..result import GRPOLossResult
+from ..result import GRPOLossResult, provenance
 from .preflight import preflight, replicated_digest
-from .vocab_parallel_logprob import VocabParallelLogprobOp
+from .vocab_parallel_logprob import vocab_parallel_lse, write_grad
 
-BACKEND_ID = "distributed/1"
+BACKEND_ID = "distributed/2"
 
 
-def _gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: Any) -> torch.Tensor:
+def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: Any) -> torch.Tensor:
     """Concatenates every DP rank's `[n_rank, ...]` rows in DP-rank order (exact copies); uneven shards allowed."""
     bounds = contract.sharding.sequence_shard_bounds
     if len(bounds) == 1:
@@ -39,22 +39,23 @@ def _gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group:
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
-class _GatherSequences(torch.autograd.Function):
-    """Forward: the global `[num_sequences]` vector. Backward: this rank's slice of its gradient.
-
-    Every rank evaluates the same replicated loss from the gathered vector, so the gradient of its own
-    sequences is just its slice: no communication, no float reduction.
-    """
+class _Loss(torch.autograd.Function):
+    """Forward: the loss computed outside autograd. Backward: `grad_output * coef * (onehot - softmax)` on this
+    rank's active rows, zeros elsewhere; no communication (every rank holds the replicated loss)."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, contract: GRPOLossContract, dp_group: Any) -> torch.Tensor:
-        ctx.bounds = contract.sharding.sequence_bounds
-        return _gather_sequences(local, contract, dp_group)
+    def forward(ctx, logits, loss, rows, local_ids, lse, coef, tile_width):
+        ctx.save_for_backward(logits, rows, local_ids, lse, coef)
+        ctx.tile_width = tile_width
+        return loss.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        lo, hi = ctx.bounds
-        return grad[lo:hi], None, None
+    def backward(ctx, grad_loss):
+        logits, rows, local_ids, lse, coef = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
+        write_grad(grad, flat, rows, local_ids, lse, coef * grad_loss.to(torch.float32), ctx.tile_width)
+        return grad.view(logits.shape), None, None, None, None, None, None
 
 
 class DistributedGRPOLossOp:
@@ -68,18 +69,17 @@ class DistributedGRPOLossOp:
     """
 
     backend = "distributed"
-    # The per-sequence token reduction (tree sums over padded_seq_len); a hook so that the harness can plant a
-    # deliberately regrouped variant and prove its diff catches it.
-    token_terms = staticmethod(grpo_terms)
-
-    def __init__(self) -> None:
-        self._logprob = VocabParallelLogprobOp()
 
     def supports(self, contract: GRPOLossContract) -> list[str]:
         s = contract.sharding
         if (s.tp_world_size > 1 or s.dp_world_size > 1) and not dist.is_available():
             return ["torch.distributed is not available in this build of torch"]
         return []
+
+    @staticmethod
+    def _token_sum(terms: torch.Tensor) -> torch.Tensor:
+        """Each sequence's token sum (a fixed tree over `padded_seq_len`)."""
+        return canonical.pair_sum(terms)
 
     def apply(self, policy_local_logits: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor,
               rewards: torch.Tensor, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
@@ -104,32 +104,51 @@ class DistributedGRPOLossOp:
         mask = preflight(contract, BACKEND_ID, local_checks, tp_group, dp_group,
                          lambda: replicated_digest(completion_mask, torch.where(completion_mask.bool(), action_ids, 0),
                                                    torch.where(completion_mask.bool(), old_logps, 0), rewards))
-
         lp = contract.logprob_contract
-        flat_mask = mask.reshape(-1)
-        flat_ids = action_ids.reshape(-1)
-        logp, _ = self._logprob(policy_local_logits.reshape(n_local * T, -1), flat_ids, contract=lp,
-                                tp_group=tp_group, mask=flat_mask)
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        ids = action_ids.reshape(-1)[rows].long()
+        x = policy_local_logits.detach()
+
+        def logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            lse, selected = vocab_parallel_lse(logits.reshape(n_local * T, -1), rows, ids, lp, tp_group)
+            full = torch.zeros(n_local * T, dtype=torch.float32, device=x.device)
+            return full.index_put((rows,), selected - lse).view(n_local, T), lse, selected - lse
+
+        logp, lse, logp_rows = logprobs(x)
+        bad = ~torch.isfinite(logp_rows)
         logp_ref = None
         if ref_local_logits is not None:
-            with torch.no_grad():
-                logp_ref, _ = self._logprob(ref_local_logits.reshape(n_local * T, -1), flat_ids, contract=lp,
-                                            tp_group=tp_group, mask=flat_mask)
-            logp_ref = logp_ref.view(n_local, T)
+            logp_ref, _, ref_rows = logprobs(ref_local_logits.detach())
+            bad |= ~torch.isfinite(ref_rows)
 
-        advantages = group_advantages(_gather_sequences(rewards.to(torch.float32), contract, dp_group),
-                                      contract.groups, contract.advantage_std)
-        local_policy, local_kl, local_counts = self.token_terms(logp.view(n_local, T), logp_ref, old_logps, mask,
-                                                               advantages[seq_lo:seq_hi], contract.clip_eps,
-                                                               contract.clip_eps_high)
-        per_seq_policy = _GatherSequences.apply(local_policy, contract, dp_group)
-        per_seq_kl = _GatherSequences.apply(local_kl, contract, dp_group)
-        counts = _gather_sequences(local_counts, contract, dp_group)
-        loss, policy_loss, kl = combine(per_seq_policy, per_seq_kl, counts, contract.beta, contract.normalizer,
-                                        contract.normalizer_constant)
+        advantages = canonical.group_advantages(gather_sequences(rewards.to(torch.float32), contract, dp_group),
+                                                contract.groups, contract.advantage_std)
+        adv = advantages[seq_lo:seq_hi]
+        lo, hi = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, logp)
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask)
+        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi)
+        bad_seq = torch.zeros(n_local * T, dtype=torch.int64, device=x.device).index_put((rows,), bad.long())
+        counts_bad = gather_sequences(torch.stack([mask.sum(-1), bad_seq.view(n_local, T).sum(-1)], -1), contract,
+                                      dp_group)
+        counts = counts_bad[:, 0]
+        if bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together
+            seqs = counts_bad[:, 1].nonzero().flatten()[:8].tolist()
+            raise LossContractError(
+                f"policy_logits / ref_logits: non-finite log-probabilities at active tokens of sequences {seqs}: "
+                f"a row holds a NaN or +inf logit, or the action's logit is -inf (probability 0)")
+        per_seq_policy = gather_sequences(self._token_sum(policy_tok), contract, dp_group)
+        per_seq_kl = gather_sequences(self._token_sum(kl_tok), contract, dp_group)
+        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
+                                                  contract.normalizer, contract.normalizer_constant)
+        if policy_local_logits.requires_grad and torch.is_grad_enabled():
+            weights = canonical.token_weights(counts, contract.normalizer, contract.normalizer_constant)
+            coef = canonical.token_coef(ratio, logp, logp_ref, adv, weights[seq_lo:seq_hi], mask, lo, hi,
+                                        contract.beta)
+            loss = _Loss.apply(policy_local_logits, loss, rows, ids - v_lo, lse, coef.reshape(-1)[rows],
+                               lp.tile_width)
         return GRPOLossResult(
-            loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
-            per_sequence_kl=per_seq_kl.detach(), advantages=advantages, per_sequence_active_tokens=counts,
+            loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy,
+            per_sequence_kl=per_seq_kl, advantages=advantages, per_sequence_active_tokens=counts,
             provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID,
                                   fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,

@@ -1,44 +1,29 @@
-"""Vocab-parallel selected log-probs whose bits do not depend on the TP degree.
+"""Vocab-parallel selected log-probs with the canonical math: the same bits at every TP degree, on every machine.
 
-The vocabulary is cut into tiles of `tile_width` columns (a power of two set by the contract, never by TP);
-TP shards are unions of whole tiles. Each tile gives an fp32 `(max, sumexp)` pair from fixed pairwise trees;
-the pairs and the selected logit travel by `all_gather` (an exact copy) and every rank merges all tiles in
-global tile order with the same trees. TP = 1 runs the very same per-tile arithmetic, so every TP degree
-produces the same log-sum-exp, log-probs and gradient bits. Masked rows are never read.
+The vocabulary is cut into tiles of `tile_width` columns (a power of two set by the contract, never by TP); TP
+shards are unions of whole tiles. Each tile gives an fp32 `(max, sumexp)` pair (`canonical.tile_stats`); the
+pairs and the selected logit travel by `all_gather` (an exact copy) and every rank merges all tiles in global
+tile order with the same tree (`canonical.merge_stats`). TP = 1 runs the very same per-tile arithmetic. Only
+active rows are read, in chunks, so the extra memory stays `O(rows * vocab / tile_width)`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import canonical
 from ..contract import LogprobContract, LossContractError
-from ..reduction import tree_max, tree_sum
 
 
-def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
-    # A tile (or row) of -inf logits has max -inf; shifting by 0 instead keeps its exp terms 0 rather than NaN.
-    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-
-
-def tile_stats(x: torch.Tensor, tile_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tile `(max, sumexp)` of fp32 rows `[n, width_local]` whose first column starts a tile: `[n, tiles]`."""
-    n, width = x.shape
-    tiles = -(-width // tile_width)
-    x = F.pad(x, (0, tiles * tile_width - width), value=float("-inf")).view(n, tiles, tile_width)
-    m = tree_max(x)
-    s = tree_sum(torch.exp(x - _finite_or_zero(m).unsqueeze(-1)))
-    return m, s
-
-
-def merge_tiles(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Log-sum-exp `[n]` from all tiles' `(max, sumexp)` `[n, num_tiles]`, merged in global tile order."""
-    big = tree_max(m)
-    scaled = s * torch.exp(m - _finite_or_zero(big).unsqueeze(-1))
-    return big + torch.log(tree_sum(scaled))
+def row_chunks(rows: torch.Tensor, cols: int, tile_width: int, total_rows: int) -> Iterator[torch.Tensor]:
+    """Splits the row indices `rows` into chunks whose fp32 temporaries stay `O(total_rows * cols / tile_width)`
+    (and at least 2**22 elements, so that small problems run in one chunk)."""
+    step = max(1, max(1 << 22, total_rows * cols // tile_width) // max(cols, 1))
+    return iter(rows.split(step))
 
 
 def _gather_tiles(m: torch.Tensor, s: torch.Tensor, selected: torch.Tensor, contract: LogprobContract,
@@ -56,43 +41,65 @@ def _gather_tiles(m: torch.Tensor, s: torch.Tensor, selected: torch.Tensor, cont
     return m_all, s_all, torch.stack([p[:, -1] for p in parts])
 
 
-class _VocabParallelLogprob(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, action_ids: torch.Tensor, contract: LogprobContract, tp_group: Any):
-        x = logits.float()
-        lo, hi = contract.local_bounds
-        local_ids = action_ids.long() - lo
-        owned = (local_ids >= 0) & (local_ids < hi - lo)
-        picked = x.gather(1, local_ids.clamp(0, hi - lo - 1).unsqueeze(1)).squeeze(1)  # read, then keep only owned
-        selected = torch.where(owned, picked, torch.zeros_like(picked))
-        m, s = tile_stats(x, contract.tile_width)
-        if len(contract.vocab_shard_bounds) > 1:
-            m, s, selected_all = _gather_tiles(m, s, selected, contract, tp_group)
-            starts = torch.tensor([b[0] for b in contract.vocab_shard_bounds[1:]], device=x.device)
-            owner = torch.bucketize(action_ids.long(), starts, right=True)
-            selected = selected_all.gather(0, owner.unsqueeze(0)).squeeze(0)
-        lse = merge_tiles(m, s)
-        ctx.save_for_backward(x, local_ids, lse)
-        ctx.dtype = logits.dtype
-        return selected - lse, lse
+def vocab_parallel_lse(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, contract: LogprobContract,
+                       tp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(lse, selected logit)` fp32 `[len(rows)]` of the rows `rows` of this rank's `[tokens, local vocab]` shard,
+    for global `ids`. `lse` is NaN for a row that holds a NaN or +inf logit or only -inf ones."""
+    lo, hi = contract.local_bounds
+    width = contract.tile_width
+    stats = [canonical.tile_stats(logits[chunk].float(), width)
+             for chunk in row_chunks(rows, hi - lo, width, logits.shape[0])]
+    tiles = -(-(hi - lo) // width)
+    m = torch.cat([st[0] for st in stats]) if stats else logits.new_zeros((0, tiles), dtype=torch.float32)
+    s = torch.cat([st[1] for st in stats]) if stats else torch.zeros_like(m)
+    local = ids - lo
+    owned = (local >= 0) & (local < hi - lo)
+    selected = torch.where(owned, logits[rows, local.clamp(0, hi - lo - 1)].float(), 0.0)
+    if len(contract.vocab_shard_bounds) > 1:
+        m, s, selected_all = _gather_tiles(m, s, selected, contract, tp_group)
+        starts = torch.tensor([b[0] for b in contract.vocab_shard_bounds[1:]], device=ids.device)
+        owner = torch.bucketize(ids, starts, right=True)
+        selected = selected_all.gather(0, owner.unsqueeze(0)).squeeze(0)
+    return canonical.lse(*canonical.merge_stats(m, s)), selected
+
+
+def write_grad(grad: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, local_ids: torch.Tensor,
+               lse: torch.Tensor, coef: torch.Tensor, tile_width: int) -> None:
+    """`grad[rows] = coef * (onehot(local_ids) - exp(logits[rows] - lse))` in `grad`'s dtype, chunk by chunk;
+    `local_ids` outside this shard give no one-hot column."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    start = 0
+    for chunk in row_chunks(rows, logits.shape[1], tile_width, logits.shape[0]):
+        part = slice(start, start + chunk.numel())
+        start = part.stop
+        onehot = (cols == local_ids[part].unsqueeze(1)).to(torch.float32)
+        p = canonical.exp(logits[chunk].float() - lse[part].unsqueeze(1))
+        grad[chunk] = (coef[part].unsqueeze(1) * (onehot - p)).to(grad.dtype)
+
+
+class _LogprobGrad(torch.autograd.Function):
+    """Forward: the log-probs computed outside autograd. Backward: `grad_logp * (onehot - softmax)`."""
 
     @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor, grad_lse: torch.Tensor):
-        x, local_ids, lse = ctx.saved_tensors
-        # d logp / d x = onehot(action) - softmax(x); an elementwise formula, identical at every TP degree.
-        cols = torch.arange(x.shape[1], device=x.device)
-        onehot = (cols.unsqueeze(0) == local_ids.unsqueeze(1)).to(x.dtype)
-        grad = grad_logp.unsqueeze(1) * (onehot - torch.exp(x - lse.unsqueeze(1)))
-        if grad_lse is not None:
-            grad = grad + grad_lse.unsqueeze(1) * torch.exp(x - lse.unsqueeze(1))
-        return grad.to(ctx.dtype), None, None, None
+    def forward(ctx, logits, logp, rows, local_ids, lse, tile_width):
+        ctx.save_for_backward(logits, rows, local_ids, lse)
+        ctx.tile_width = tile_width
+        return logp.clone()
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        logits, rows, local_ids, lse = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        write_grad(grad, logits, rows, local_ids, lse, grad_logp[rows].float(), ctx.tile_width)
+        return grad, None, None, None, None, None
 
 
 class VocabParallelLogprobOp:
     """`logp, lse = op(local_logits [num_tokens, local_vocab], action_ids [num_tokens], contract=..., tp_group=...)`.
 
     `action_ids` are global ids. With `mask [num_tokens]`, masked rows are never read and give `logp = lse = 0`
-    and an exactly zero gradient. Both outputs are fp32 and identical, bit for bit, at every TP degree.
+    and an exactly zero gradient. Both outputs are fp32 and identical, bit for bit, at every TP degree and on every
+    device; `logp` carries a gradient into `local_logits`, `lse` does not.
     """
 
     backend = "distributed"
@@ -112,11 +119,16 @@ class VocabParallelLogprobOp:
                                     f"{list(getattr(action_ids, 'shape', []))}")
         if mask is None:
             mask = torch.ones_like(action_ids, dtype=torch.bool)
-        ids = action_ids[mask]
+        rows = mask.nonzero().squeeze(1)
+        ids = action_ids[rows].long()
         bad = (ids < 0) | (ids >= contract.vocab_size)
         if bool(bad.any()):
             raise LossContractError(f"action_ids: expected ids in [0, {contract.vocab_size}), got "
                                     f"{ids[bad][:8].tolist()}")
-        logp, lse = _VocabParallelLogprob.apply(local_logits[mask], ids, contract, tp_group)
-        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=local_logits.device)
-        return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, lse)
+        x = local_logits.detach()
+        lse_rows, selected = vocab_parallel_lse(x, rows, ids, contract, tp_group)
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=x.device)
+        logp, lse = zeros.index_put((rows,), selected - lse_rows), zeros.index_put((rows,), lse_rows)
+        if local_logits.requires_grad and torch.is_grad_enabled():
+            logp = _LogprobGrad.apply(local_logits, logp, rows, ids - lo, lse_rows, contract.tile_width)
+        return logp, lse

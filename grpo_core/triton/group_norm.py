@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..advantages import STD_FLOOR
+from ..canonical import STD_FLOOR
 from ..contract import AdvantageStd
 
 BLOCK = 1024

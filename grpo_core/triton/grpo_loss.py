@@ -29,9 +29,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..advantages import STD_FLOOR
-from ..contract import AdvantageStd, TokenNormalizer
-from ..native.grpo_loss import loss_options
+from ..canonical import STD_FLOOR
+from ..contract import AdvantageStd, TokenNormalizer, loss_options
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from .. import canonical
 from ..contract import check_inputs
-from ..native.ratio_kl import ratio_and_kl
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
 # (4 warps x 4096-wide chunks x 3 stages were best on average over V = 32768 .. 151936); overridable for sweeps.
@@ -375,4 +375,5 @@ class TritonRatioKLOp:
         bad = err[0] if completion_mask.dtype == torch.bool else err[0] | (mask & (completion_mask != 1)).any()
         check_values_after(bad, check_values, policy_logits, ref_logits, action_ids, old_logps, None,
                            completion_mask, 1.0)
-        return ratio_and_kl(out[0].view(mask.shape), out[1].view(mask.shape), old_logps, mask)
+        return canonical.ratio_and_kl(out[0].view(mask.shape), out[1].view(mask.shape), old_logps, mask,
+                                      exp=torch.exp)

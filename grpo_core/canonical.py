@@ -1,0 +1,253 @@
+"""The canonical math: one definition of every number, the same bits on every machine, on the CPU and the GPU.
+
+Every float operation here is one that IEEE 754 specifies exactly and that every torch build, device and
+Triton kernel performs the same way: `+ - * /` on fp32, each rounded on its own (no FMA), comparisons, max /
+min, select, conversions between float formats and exact integer operations on a float's bit pattern. exp,
+log and sqrt are built from those (`exp`, `log`, `sqrt` below; their accuracy is measured over every fp32
+input by `benchmarks/canonical_accuracy.py`). Every float sum is a fixed pairwise tree (`pair_sum`) whose
+shape depends only on the extent summed, never on the number of rows, threads, ranks or the device.
+
+Rules that keep the bits portable, relied on throughout:
+- constants are exact fp32 values (hex literals), and scalars from the contract become fp32 tensors
+  (`fp32`) before they meet a tensor, so no op ever computes in a wider type;
+- division is by a tensor, never by a Python scalar (CUDA turns scalar division into a reciprocal multiply);
+- results below the smallest normal float are flushed to zero where they can arise (`exp`), so that a device
+  that flushes subnormals and one that does not agree; -0.0 is turned into +0.0 before every sum.
+
+The backends use these functions in two ways: the deterministic path (`distributed/`, the Triton kernels of
+`triton/canonical.py`) computes everything with them; the fast paths (`native`, `triton`) use the token
+formulas with torch's own `exp` (`ratio_and_kl(..., exp=torch.exp)`) and the canonical reductions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .contract import AdvantageStd, TokenNormalizer
+
+F32, I32, I64 = torch.float32, torch.int32, torch.int64
+TINY = float.fromhex("0x1p-126")  # the smallest normal fp32
+STD_FLOOR = float.fromhex("0x1.0c6f7ap-20")  # fp32(1e-6): the advantage std is clamped to at least this
+
+# exp: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite: n * LN2_HI is exact for |n| < 2**8), exp(r) = 1 + r + r^2 q(r)
+LOG2E = float.fromhex("0x1.715476p+0")
+ROUND = float.fromhex("0x1.8p+23")  # adding and subtracting it rounds |t| < 2**22 to the nearest integer
+LN2_HI = float.fromhex("0x1.62e4p-1")  # 16 significant bits
+LN2_LO = float.fromhex("0x1.7f7d1cp-20")  # ln 2 - LN2_HI, rounded
+EXP_Q = (float.fromhex("0x1.fffff8p-2"), float.fromhex("0x1.55548ep-3"), float.fromhex("0x1.555b54p-5"),
+         float.fromhex("0x1.123b92p-7"), float.fromhex("0x1.687ef6p-10"))  # minimax, |rel. error| < 2**-28
+EXP_MIN, EXP_MAX = -104.0, 89.0  # beyond these exp is 0 (after the flush) or inf whatever the polynomial says
+# log: x = 2**k m with m in [sqrt(1/2), sqrt(2)), log(m) = 2 atanh(s), s = (m - 1) / (m + 1), in fdlibm's form
+SQRT_HALF_BITS = 0x3F3504F3
+LOG_Q = (float.fromhex("0x1.55557ap-1"), float.fromhex("0x1.995e4cp-2"), float.fromhex("0x1.31ec84p-2"))
+
+
+def fp32(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp32 tensor on `like`'s device: a Python float rounded to fp32 once, by the same rule everywhere."""
+    return torch.full((), value, dtype=F32, device=like.device)
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as fp32 for int32 `k` in [-126, 127], built from the exponent bits (exact)."""
+    return ((k + 127) * (1 << 23)).view(F32)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """exp of fp32 `x`, within 1 ULP of the exact value; results below 2**-126 are 0.0; NaN stays NaN.
+
+    exp(0) is exactly 1, which the tile sums rely on (a tile's largest term is exp(0))."""
+    xc = x.clamp(EXP_MIN, EXP_MAX)
+    n = (xc * LOG2E + ROUND) - ROUND
+    r = (xc - n * LN2_HI) - n * LN2_LO
+    q = (r * EXP_Q[4] + EXP_Q[3]) * r + EXP_Q[2]
+    q = (q * r + EXP_Q[1]) * r + EXP_Q[0]
+    p = (r + (r * r) * q) + 1.0
+    k = n.to(I32)
+    half = torch.div(k, 2, rounding_mode="floor")  # two exact scalings keep 2**k representable at both ends
+    e = (p * _pow2(half)) * _pow2(k - half)
+    return torch.where(e < TINY, 0.0, e)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """log of positive normal fp32 `x`, within 1 ULP of the exact value (other inputs: unspecified)."""
+    t = x.view(I32) - SQRT_HALF_BITS
+    k = (t >> 23).to(F32)
+    m = ((t & 0x7FFFFF) + SQRT_HALF_BITS).view(F32)
+    f = m - 1.0
+    s = f / (f + 2.0)
+    z = s * s
+    R = z * (LOG_Q[0] + z * (LOG_Q[1] + z * LOG_Q[2]))
+    hfsq = (f * 0.5) * f
+    return k * LN2_HI - ((hfsq - (s * (hfsq + R) + k * LN2_LO)) - f)
+
+
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded sqrt of finite fp32 `x >= 0` (subnormals count as 0): Newton steps for a first guess,
+    then an exact integer test that moves the 24-bit significand to the nearest one."""
+    x = torch.where(x < TINY, 0.0, x)
+    y = ((x.view(I32) >> 1) + 0x1FBD1DF5).view(F32)  # within a few percent
+    for _ in range(3):
+        y = (y + x / y) * 0.5
+    bits = x.view(I32).to(I64)
+    e = (bits >> 23) - 150  # x = mant * 2**e
+    mant = (bits & 0x7FFFFF) | 0x800000
+    shift = 24 - (e & 1)  # mant << shift lies in [2**46, 2**48) and e - shift is even
+    q = (e - shift) >> 1  # sqrt(x) = sqrt(mant << shift) * 2**q, the first factor in [2**23, 2**24]
+    four_m = (mant << shift) * 4
+    sig = (y * _pow2(-q.to(I32))).to(I64)
+    for _ in range(2):  # the nearest integer Y to sqrt(M) satisfies (2Y - 1)**2 < 4M < (2Y + 1)**2
+        sig = sig + ((2 * sig + 1) ** 2 <= four_m).to(I64)
+        sig = sig - ((2 * sig - 1) ** 2 >= four_m).to(I64)
+    return torch.where(x == 0, 0.0, sig.to(F32) * _pow2(q.to(I32)))
+
+
+def pair_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` by a fixed tree of adjacent pairs on the extent zero-padded to a power of two.
+
+    Zero padding leaves the tree's value unchanged, so the result depends only on the values, not on the padded
+    extent, the number of rows or where they run. -0.0 is turned into +0.0 first."""
+    x = x.movedim(dim, -1) + 0.0
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def tile_stats(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tile `(max, sum exp(x - max))` of fp32 rows `[n, cols]` cut into tiles of `width` (a power of two)
+    from column 0: `[n, tiles]` each. Columns past the end count as -inf. A tile of -inf has `(-inf, 0)`."""
+    n, cols = x.shape
+    tiles = -(-cols // width)
+    x = F.pad(x, (0, tiles * width - cols), value=float("-inf")).view(n, tiles, width)
+    m = x.amax(-1) + 0.0  # max is exact in any order; + 0.0 makes a -0.0 maximum +0.0
+    shift = torch.where(m == float("-inf"), 0.0, m)
+    return m, pair_sum(exp(x - shift.unsqueeze(-1)))
+
+
+def merge_stats(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges `(max, sumexp)` pairs `[..., tiles]` in tile order by a fixed tree of adjacent pairs, on the extent
+    padded to a power of two with the identity `(-inf, 0)`: `(M, S)` with `sum exp = S * exp(M)`."""
+    n = m.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        m = F.pad(m, (0, width - n), value=float("-inf"))
+        s = F.pad(s, (0, width - n))
+    while m.shape[-1] > 1:
+        m1, m2, s1, s2 = m[..., 0::2], m[..., 1::2], s[..., 0::2], s[..., 1::2]
+        m = torch.maximum(m1, m2)
+        shift = torch.where(m == float("-inf"), 0.0, m)
+        s = s1 * exp(m1 - shift) + s2 * exp(m2 - shift)
+    return m[..., 0], s[..., 0]
+
+
+def lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """log-sum-exp from merged `(M, S)`; not finite when the row held a NaN or +inf or was all -inf."""
+    finite = torch.isfinite(m) & (s >= 1.0)
+    return torch.where(finite, m + log(torch.where(finite, s, 1.0)), float("nan"))
+
+
+def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
+    """`(r - mean_g) / max(std_g, fp32(1e-6))` (or `r - mean_g` without std) per CSR group; fp32 `[S]`.
+
+    The groups are laid out as a zero-padded `[G, max_group]` grid and reduced with `pair_sum`, so every rank
+    that holds the gathered rewards computes the same bits, on any device."""
+    r = rewards.to(F32)
+    bounds = torch.tensor(group_boundaries, device=r.device)
+    sizes = bounds[1:] - bounds[:-1]
+    group_of = torch.repeat_interleave(torch.arange(len(sizes), device=r.device), sizes, output_size=r.numel())
+    slot = torch.arange(r.numel(), device=r.device) - bounds[:-1][group_of]
+    width = max(b - a for a, b in zip(group_boundaries[:-1], group_boundaries[1:]))  # no device sync
+    grid = r.new_zeros(len(sizes), width).index_put((group_of, slot), r)
+    valid = torch.zeros_like(grid, dtype=torch.bool).index_put((group_of, slot), torch.ones_like(r, dtype=torch.bool))
+    n = sizes.to(F32)
+    mean = pair_sum(grid) / n
+    centered = r - mean[group_of]
+    if std is AdvantageStd.NONE:
+        return centered
+    dev = torch.where(valid, grid - mean[:, None], 0.0)
+    var = pair_sum(dev * dev) / (n if std is AdvantageStd.POPULATION else n - 1.0)
+    return centered / torch.maximum(sqrt(var), fp32(STD_FLOOR, r))[group_of]
+
+
+def _count(c: torch.Tensor) -> torch.Tensor:
+    return c.clamp(min=1).to(F32)
+
+
+def normalize(per_sequence: torch.Tensor, counts: torch.Tensor, normalizer: TokenNormalizer,
+              constant: float | None) -> torch.Tensor:
+    """Applies the token normalizer to per-sequence token sums `[S]` (fp32) with integer active counts `[S]`.
+
+    A batch without any active token gives exactly 0.0 (its token sums are all zero; the denominator is 1)."""
+    if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
+        return pair_sum(per_sequence) / _count(counts.sum())
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
+        active = counts > 0
+        means = torch.where(active, per_sequence / _count(counts), 0.0)
+        return pair_sum(means) / _count(active.sum())
+    if normalizer is TokenNormalizer.FIXED_CONSTANT:
+        return pair_sum(per_sequence) / fp32(constant, per_sequence)
+    raise AssertionError(normalizer)
+
+
+def token_weights(counts: torch.Tensor, normalizer: TokenNormalizer, constant: float | None) -> torch.Tensor:
+    """`d normalize / d token term` of each sequence's tokens, fp32 `[S]` (0 for a sequence without tokens)."""
+    one = torch.ones(counts.shape, dtype=F32, device=counts.device)
+    if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
+        return one / _count(counts.sum())
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
+        return torch.where(counts > 0, one / (_count(counts) * _count((counts > 0).sum())), 0.0)
+    if normalizer is TokenNormalizer.FIXED_CONSTANT:
+        return one / fp32(constant, one)
+    raise AssertionError(normalizer)
+
+
+def combine(per_seq_policy: torch.Tensor, per_seq_kl: torch.Tensor, counts: torch.Tensor, beta: float,
+            normalizer: TokenNormalizer, constant: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`loss = N(policy) + beta * N(kl)`; returns `(loss, policy_loss, kl)` with the last two detached."""
+    policy_loss = normalize(per_seq_policy, counts, normalizer, constant)
+    kl = normalize(per_seq_kl, counts, normalizer, constant)
+    loss = policy_loss + fp32(beta, kl) * kl
+    return loss, policy_loss.detach(), kl.detach()
+
+
+def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,
+                 exp=exp) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ratio = exp(masked(logp - old))` (mask before exp: 1.0 on masked tokens) and `kl = exp(d) - d - 1`
+    with `d = masked(logp_ref - logp)` (exactly 0.0 on masked tokens; all zeros without a reference)."""
+    zero = torch.zeros_like(logp)
+    ratio = exp(torch.where(mask, logp - old_logps.to(F32), zero))
+    if logp_ref is None:
+        return ratio, zero
+    d = torch.where(mask, logp_ref - logp, zero)
+    return ratio, exp(d) - d - 1.0
+
+
+def clip_bounds(clip_eps: float, clip_eps_high: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(fp32(1 - clip_eps), fp32(1 + clip_eps_high))`: computed in Python (double), rounded once."""
+    return fp32(1.0 - clip_eps, like), fp32(1.0 + clip_eps_high, like)
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
+                      hi: torch.Tensor) -> torch.Tensor:
+    """Per-token `-min(ratio * A, clamp(ratio, lo, hi) * A)`, exactly 0.0 on masked tokens."""
+    adv = advantages.unsqueeze(-1)
+    policy = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    return torch.where(mask, policy, 0.0)
+
+
+def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None, advantages: torch.Tensor,
+               weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, beta: float
+               ) -> torch.Tensor:
+    """`d loss / d logp` per token `[S, T]` (before `grad_output`): `(dpolicy + beta * dkl) * weight`, where the
+    surrogate's derivative is `-ratio * A` where the unclipped branch is the minimum (ties included) and 0 where
+    the clipped one is, and the k3 KL's is `1 - exp(logp_ref - logp)`; 0.0 on masked tokens."""
+    adv = advantages.unsqueeze(-1)
+    unclipped = ratio * adv
+    coef = torch.where(unclipped <= torch.clamp(ratio, lo, hi) * adv, -unclipped, 0.0)
+    if logp_ref is not None:
+        coef = coef + fp32(beta, coef) * (1.0 - exp(torch.where(mask, logp_ref - logp, 0.0)))
+    return torch.where(mask, coef * weights.unsqueeze(-1), 0.0)
