@@ -1,10 +1,15 @@
-"""Named, seeded scenarios. Inputs come from a CPU generator and are then moved to the device, so every
-platform sees the same input bits."""
+"""Named, seeded scenarios whose inputs have the same bits on every machine, torch version and CPU code path.
+
+torch's own samplers are not portable (`torch.randn` takes another code path under `ATEN_CPU_CAPABILITY=default`
+and goes through vector exp / log / cos), so the inputs are built from integers only: NumPy's legacy
+`RandomState` stream (frozen by NumPy's policy), turned into floats by exact operations. `old_logps` are the
+canonical log-probs plus noise. The inputs are made on the CPU and then moved to the device."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from grpo_core import GRPOLossContract, ShardingSpec
@@ -41,27 +46,36 @@ class Scenario:
     def inputs(self) -> dict[str, torch.Tensor | None]:
         """Global inputs on the CPU (the same bits on every platform)."""
         S, T, V = self.num_sequences, self.seq_len, self.vocab
-        g = torch.Generator().manual_seed(self.seed)
-        policy = 2.0 * torch.randn(S, T, V, generator=g)
+        rng = np.random.RandomState(self.seed)
+        policy = 2.0 * normalish(rng, (S, T, V))
         if self.wide:
-            policy = policy * torch.exp2(torch.randint(-12, 3, (S, T, V), generator=g).float())
-        ref = policy + 0.3 * torch.randn(S, T, V, generator=g)
-        ids = torch.randint(0, V, (S, T), generator=g)
-        mask = torch.rand(S, T, generator=g) < 0.85
+            policy = policy * torch.exp2(torch.from_numpy(rng.randint(-12, 3, (S, T, V))).float())
+        ref = policy + 0.3 * normalish(rng, (S, T, V))
+        ids = torch.from_numpy(rng.randint(0, V, (S, T))).long()
+        mask = uniform(rng, (S, T)) < 0.85
         mask[:, 0] = True
         mask[list(self.empty)] = False
         dtype = getattr(torch, self.dtype)
         policy, ref = policy.to(dtype), ref.to(dtype)
-        true = torch.log_softmax(policy.double(), -1).gather(-1, ids[..., None])[..., 0]
-        old = (true + 0.25 * torch.randn(S, T, generator=g, dtype=torch.float64)).float()
+        own, _ = VocabParallelLogprobOp()(policy.reshape(S * T, V), ids.reshape(-1),
+                                          contract=self.contract().logprob_contract, mask=mask.reshape(-1))
+        old = own.view(S, T) + 0.25 * normalish(rng, (S, T))
         if self.identity:
-            ref = policy
-            lp = self.contract().logprob_contract
-            old, _ = VocabParallelLogprobOp()(policy.reshape(S * T, V), ids.reshape(-1), contract=lp,
-                                              mask=mask.reshape(-1))
-            old = old.view(S, T)
+            ref, old = policy, own.view(S, T)
         return dict(policy_logits=policy, ref_logits=ref if self.beta > 0 else None, action_ids=ids, old_logps=old,
-                    rewards=torch.randn(S, generator=g), completion_mask=mask)
+                    rewards=normalish(rng, (S,)), completion_mask=mask)
+
+
+def uniform(rng: np.random.RandomState, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 in [0, 1) on a 2**-24 grid, from 24-bit integers (exact)."""
+    return torch.from_numpy(rng.randint(0, 1 << 24, shape).astype(np.float64) * 2.0**-24).float()
+
+
+def normalish(rng: np.random.RandomState, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 with mean 0 and variance 1, bell-shaped: the sum of four uniforms, centered and scaled (IEEE `+ - *`
+    on float64, then one rounding to fp32)."""
+    total = sum(rng.randint(0, 1 << 24, shape).astype(np.float64) * 2.0**-24 for _ in range(4))
+    return torch.from_numpy((total - 2.0) * 3.0**0.5).float()
 
 
 SCENARIOS = {s.name: s for s in [
