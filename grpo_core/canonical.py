@@ -56,17 +56,17 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp of fp32 `x`, within 1 ULP of the exact value; results below 2**-126 are 0.0; NaN stays NaN.
 
-    exp(0) is exactly 1, which the tile sums rely on (a tile's largest term is exp(0))."""
-    xc = x.clamp(EXP_MIN, EXP_MAX)
-    n = (xc * LOG2E + ROUND) - ROUND
-    r = (xc - n * LN2_HI) - n * LN2_LO
-    q = (r * EXP_Q[4] + EXP_Q[3]) * r + EXP_Q[2]
-    q = (q * r + EXP_Q[1]) * r + EXP_Q[0]
-    p = (r + (r * r) * q) + 1.0
+    exp(0) is exactly 1, which the tile sums rely on (a tile's largest term is exp(0)). In-place steps only save
+    allocations: each one is still a single IEEE operation."""
+    r = x.clamp(EXP_MIN, EXP_MAX)
+    n = r.mul(LOG2E).add_(ROUND).sub_(ROUND)
+    r.sub_(n * LN2_HI).sub_(n * LN2_LO)
+    q = r.mul(EXP_Q[4]).add_(EXP_Q[3]).mul_(r).add_(EXP_Q[2]).mul_(r).add_(EXP_Q[1]).mul_(r).add_(EXP_Q[0])
+    p = q.mul_(r * r).add_(r).add_(1.0)
     k = n.to(I32)
-    half = torch.div(k, 2, rounding_mode="floor")  # two exact scalings keep 2**k representable at both ends
-    e = (p * _pow2(half)) * _pow2(k - half)
-    return torch.where(e < TINY, 0.0, e)
+    half = ((k + 256) >> 1) - 128  # floor(k / 2), shifting only non-negative values
+    p.mul_(_pow2(half)).mul_(_pow2(k - half))  # two exact scalings keep 2**k representable at both ends
+    return p.masked_fill_(p < TINY, 0.0)
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
