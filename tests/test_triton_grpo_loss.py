@@ -151,6 +151,30 @@ def test_group_norm_any_group_size(std):
     assert group_advantages(r, bounds, std)[1].tolist() == [0, 0, 0, 1]  # the group of the non-finite reward
 
 
+def _layouts(t: torch.Tensor):
+    """The same values in other memory layouts: transposed and back, a slice of a wider tensor, a storage offset."""
+    yield "transposed", t.transpose(0, -1).contiguous().transpose(0, -1)
+    yield "sliced", torch.cat([t, torch.zeros_like(t)], -1)[..., :t.shape[-1]]
+    yield "offset", torch.cat([torch.zeros(3, dtype=t.dtype, device=t.device), t.reshape(-1)])[3:].view(t.shape)
+
+
+@pytest.mark.parametrize("name", ["policy_logits", "ref_logits", "action_ids", "old_logps", "rewards",
+                                  "completion_mask"])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_every_argument_honours_its_strides(name, single_pass):
+    """Non-contiguous, sliced, offset and stride-0 views give the bits of their contiguous copies."""
+    inp = make_inputs(4, 6, 40, seed=21, device=DEV)
+    cases = [(kind, inp, {**inp, name: view}) for kind, view in _layouts(inp[name])]
+    if name in ("old_logps", "rewards"):  # stride 0: equal values along the expanded dimension
+        same = {**inp, name: inp[name][..., :1].expand(inp[name].shape).contiguous()}
+        cases.append(("expanded", same, {**same, name: inp[name][..., :1].expand(inp[name].shape)}))
+    for kind, dense, strided in cases:
+        want = run(triton, dense, samples_per_prompt=2, single_pass=single_pass)
+        got = run(triton, strided, samples_per_prompt=2, single_pass=single_pass)
+        for what, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, want):
+            assert_bitwise_equal(a, b, f"{name} {kind} {what}")
+
+
 def test_bad_ids_raise_without_reading_out_of_bounds():
     inp = make_inputs(2, 3, 17, seed=1, device=DEV)
     inp["action_ids"][1, 0] = 17

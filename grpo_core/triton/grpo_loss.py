@@ -51,7 +51,8 @@ def _sequence_kernel(
     seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL (SUMS)
     counts_ptr,  # out: int64 [B] = active tokens (mask set, id in range)
     flags_ptr,  # out: int32 [1 + B]; flags_ptr[1 + b] = 1 where a mask value is not 0 / 1, an id at an active
-    # token is outside [0, V), or a reward of the sequence's group is not finite
+    # token is outside [0, V), a reward of the sequence's group is not finite, or (SUMS) an active token's old
+    # log-prob or log-probs are not finite
     B, T, V, clip_low, clip_high, floor,
     # Meta-parameters
     HAS_REF: tl.constexpr,
@@ -89,12 +90,17 @@ def _sequence_kernel(
         count += active.to(tl.int32)
         if SUMS:
             logp = tl.load(out_ptr + row, mask=inside, other=0.0)
-            ratio = tl.exp(tl.where(active, logp - tl.load(old_ptr + row, mask=active, other=0.0), 0.0))
+            old = tl.load(old_ptr + row, mask=active, other=0.0)
+            finite = (tl.abs(logp) < float("inf")) & (tl.abs(old) < float("inf"))  # false for NaN too
+            ratio = tl.exp(tl.where(active, logp - old, 0.0))
             clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
             acc_policy += tl.where(active, -tl.minimum(ratio * adv, clipped * adv), 0.0)
             if HAS_REF:
-                d = tl.where(active, tl.load(out_ptr + N + row, mask=inside, other=0.0) - logp, 0.0)
+                logp_ref = tl.load(out_ptr + N + row, mask=inside, other=0.0)
+                finite = finite & (tl.abs(logp_ref) < float("inf"))
+                d = tl.where(active, logp_ref - logp, 0.0)
                 acc_kl += tl.exp(d) - d - 1.0
+            bad = tl.maximum(bad, (active & ~finite).to(tl.int32))
     tl.store(counts_ptr + b, tl.sum(count.to(tl.int64), 0))
     tl.store(flags_ptr + 1 + b, tl.maximum(tl.max(bad, 0), bad_reward))
     if SUMS:
@@ -162,7 +168,7 @@ def _finish_kernel(
     tl.store(flags_ptr, tl.max(bad, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride"])
 def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
     """`g *= s` row by row, in place; a no-op (no read, no write) when `s == 1`, as after `loss.backward()`."""
     s = tl.load(s_ptr)
@@ -294,8 +300,9 @@ class TritonGRPOLossOp:
                              "and grad mode on")
         clip = (o.clip_eps, o.clip_eps_high, o.beta)
         x = policy_logits.detach()
-        old = old_logps.float()
-        args = (ref_logits, action_ids, completion_mask, old, rewards.float(), *group_tensors(o.groups, x.device),
+        old = flat(old_logps.float())  # the kernels index [B * T] and [B] vectors densely: no strides, no offsets
+        args = (ref_logits, action_ids, completion_mask, old, rewards.float().contiguous(),
+                *group_tensors(o.groups, x.device),
                 MODES[o.std], *clip, single, _NORMALIZERS[o.normalizer], o.constant or 1.0)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)

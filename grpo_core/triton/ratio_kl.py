@@ -157,7 +157,9 @@ def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, act
         _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, BLOCK, SUB)
 
 
-@triton.jit
+# Row strides and V are never specialized: Triton turns an argument equal to 1 into a constant, and with V = 1
+# (a stride of 1) the alignment hints of the aligned chunks then break a compiler pass (TritonGPUCoalesce).
+@triton.jit(do_not_specialize=["V", "stride_x", "stride_r", "stride_g"])
 def _logprob_fwd_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
     r_ptr,  # reference logits [N, V], rows `stride_r` apart (read only with HAS_REF)
@@ -208,7 +210,7 @@ def _logprob_fwd_kernel(
         _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC_X, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride_x", "stride_g"])
 def _logprob_grad_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
     ids_ptr,  # action ids [N]
@@ -269,8 +271,8 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
     out = torch.empty(3, N, dtype=torch.float32, device=x.device)
     single = grad is not None
     g = grad.view(N, V) if single else x
-    if N == 0:  # T = 0: nothing to launch
-        return out
+    if N == 0 or V == 0:  # T = 0, or V = 0 (no token can be active): nothing to read
+        return out.zero_()
     launch(_logprob_fwd_kernel)[(N,)](
         x, r, flat(ids), flat(mask), out, out if err is None else err, flat(old) if single else out,
         adv if single else out, weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0),
@@ -288,7 +290,7 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
     N, V = x.shape
     grad = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
     from_ptr = old is None
-    if N == 0:
+    if N == 0 or V == 0:
         return grad.view(policy.shape)
     launch(_logprob_grad_kernel)[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old), out if from_ptr else adv,
