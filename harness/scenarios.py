@@ -95,7 +95,11 @@ SCENARIOS = {s.name: s for s in [
 
 
 class RegroupedTokenSumOp(DistributedGRPOLossOp):
-    """A planted drift: the per-sequence token sum is regrouped (left to right instead of the fixed tree)."""
+    """A planted drift: the per-sequence token sum is regrouped (left to right instead of the fixed tree). It runs
+    the torch kernels, whose token sum it replaces."""
+
+    def __init__(self) -> None:
+        super().__init__(kernels="torch")
 
     @staticmethod
     def _token_sum(terms: torch.Tensor) -> torch.Tensor:

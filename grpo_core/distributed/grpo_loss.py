@@ -12,6 +12,7 @@ extra memory is one gradient in the logits' dtype plus `O(tokens * vocab / tile_
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .. import canonical
 from ..contract import GRPOLossContract, LossContractError, check_inputs
 from ..result import GRPOLossResult, provenance
 from .preflight import preflight, replicated_digest
-from .vocab_parallel_logprob import vocab_parallel_lse, write_grad
+from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
 
 BACKEND_ID = "distributed/2"
 
@@ -44,18 +45,14 @@ class _Loss(torch.autograd.Function):
     rank's active rows, zeros elsewhere; no communication (every rank holds the replicated loss)."""
 
     @staticmethod
-    def forward(ctx, logits, loss, rows, local_ids, lse, coef, tile_width):
-        ctx.save_for_backward(logits, rows, local_ids, lse, coef)
-        ctx.tile_width = tile_width
+    def forward(ctx, logits, loss, backward):
+        ctx.backward_fn = backward
+        ctx.save_for_backward(logits)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, rows, local_ids, lse, coef = ctx.saved_tensors
-        flat = logits.reshape(-1, logits.shape[-1])
-        grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
-        write_grad(grad, flat, rows, local_ids, lse, coef * grad_loss.to(torch.float32), ctx.tile_width)
-        return grad.view(logits.shape), None, None, None, None, None, None
+        return ctx.backward_fn(ctx.saved_tensors[0], grad_loss.to(torch.float32)), None, None
 
 
 class DistributedGRPOLossOp:
@@ -66,15 +63,35 @@ class DistributedGRPOLossOp:
     sequences and vocab shard), `action_ids` (global ids), `old_logps`, `completion_mask` `[n_local,
     padded_seq_len]`, `rewards` `[n_local]`. The result's scalars and per-sequence vectors cover the whole batch
     and are identical on every rank; the gradient flows into this rank's shard.
+
+    `kernels`: "triton" (the fused kernels of `triton/canonical.py`), "torch" (the reference: torch ops, any device)
+    or "auto" (Triton for CUDA tensors when Triton imports, else torch). Both give the same bits.
     """
 
     backend = "distributed"
+
+    def __init__(self, kernels: str = "auto") -> None:
+        if kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels: expected 'auto', 'triton' or 'torch', got {kernels!r}")
+        self.kernels = kernels
 
     def supports(self, contract: GRPOLossContract) -> list[str]:
         s = contract.sharding
         if (s.tp_world_size > 1 or s.dp_world_size > 1) and not dist.is_available():
             return ["torch.distributed is not available in this build of torch"]
         return []
+
+    def _triton_runs(self, logits: torch.Tensor, tile_width: int) -> bool:
+        if self.kernels == "torch" or (self.kernels == "auto" and not (
+                logits.is_cuda and importlib.util.find_spec("triton") is not None)):
+            return False
+        from ..triton.canonical import MAX_TILE
+        if tile_width > MAX_TILE:
+            if self.kernels == "auto":
+                return False
+            raise LossContractError(f"vocab_tile: the Triton kernels take tiles of at most {MAX_TILE} columns, got "
+                                    f"{tile_width}; use kernels='torch'")
+        return True
 
     @staticmethod
     def _token_sum(terms: torch.Tensor) -> torch.Tensor:
@@ -105,51 +122,93 @@ class DistributedGRPOLossOp:
                          lambda: replicated_digest(completion_mask, torch.where(completion_mask.bool(), action_ids, 0),
                                                    torch.where(completion_mask.bool(), old_logps, 0), rewards))
         lp = contract.logprob_contract
-        rows = mask.reshape(-1).nonzero().squeeze(1)
-        ids = action_ids.reshape(-1)[rows].long()
         x = policy_local_logits.detach()
-
-        def logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            lse, selected = vocab_parallel_lse(logits.reshape(n_local * T, -1), rows, ids, lp, tp_group)
-            full = torch.zeros(n_local * T, dtype=torch.float32, device=x.device)
-            return full.index_put((rows,), selected - lse).view(n_local, T), lse, selected - lse
-
-        logp, lse, logp_rows = logprobs(x)
-        bad = ~torch.isfinite(logp_rows)
-        logp_ref = None
-        if ref_local_logits is not None:
-            logp_ref, _, ref_rows = logprobs(ref_local_logits.detach())
-            bad |= ~torch.isfinite(ref_rows)
-
+        ref = None if ref_local_logits is None else ref_local_logits.detach()
+        old = old_logps.to(torch.float32)
         advantages = canonical.group_advantages(gather_sequences(rewards.to(torch.float32), contract, dp_group),
                                                 contract.groups, contract.advantage_std)
         adv = advantages[seq_lo:seq_hi]
-        lo, hi = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, logp)
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask)
-        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi)
-        bad_seq = torch.zeros(n_local * T, dtype=torch.int64, device=x.device).index_put((rows,), bad.long())
-        counts_bad = gather_sequences(torch.stack([mask.sum(-1), bad_seq.view(n_local, T).sum(-1)], -1), contract,
-                                      dp_group)
+        triton_runs = self._triton_runs(x, lp.tile_width)
+        clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
+        if triton_runs:
+            logp, logp_ref, lse, sums, bad = self._triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group,
+                                                                 clip_lo, clip_hi)
+            local_policy, local_kl = sums[0], sums[1]
+        else:
+            rows = mask.reshape(-1).nonzero().squeeze(1)
+            ids = action_ids.reshape(-1)[rows].long()
+
+            def logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                lse, selected = vocab_parallel_lse(logits.reshape(n_local * T, -1), rows, ids, lp, tp_group)
+                full = torch.zeros(n_local * T, dtype=torch.float32, device=x.device)
+                return full.index_put((rows,), selected - lse).view(n_local, T), lse, ~torch.isfinite(selected - lse)
+
+            logp, lse, bad_rows = logprobs(x)
+            logp_ref = None
+            if ref is not None:
+                logp_ref, _, bad_ref = logprobs(ref)
+                bad_rows |= bad_ref
+            lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, logp)
+            ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
+            local_policy = self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t))
+            local_kl = self._token_sum(kl_tok)
+            bad = torch.zeros(n_local * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
+            bad = bad.view(n_local, T).sum(-1)
+        counts_bad = gather_sequences(torch.stack([mask.sum(-1), bad], -1), contract, dp_group)
         counts = counts_bad[:, 0]
         if bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together
             seqs = counts_bad[:, 1].nonzero().flatten()[:8].tolist()
             raise LossContractError(
                 f"policy_logits / ref_logits: non-finite log-probabilities at active tokens of sequences {seqs}: "
                 f"a row holds a NaN or +inf logit, or the action's logit is -inf (probability 0)")
-        per_seq_policy = gather_sequences(self._token_sum(policy_tok), contract, dp_group)
-        per_seq_kl = gather_sequences(self._token_sum(kl_tok), contract, dp_group)
+        per_seq_policy = gather_sequences(local_policy, contract, dp_group)
+        per_seq_kl = gather_sequences(local_kl, contract, dp_group)
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                   contract.normalizer, contract.normalizer_constant)
         if policy_local_logits.requires_grad and torch.is_grad_enabled():
-            weights = canonical.token_weights(counts, contract.normalizer, contract.normalizer_constant)
-            coef = canonical.token_coef(ratio, logp, logp_ref, adv, weights[seq_lo:seq_hi], mask, lo, hi,
-                                        contract.beta)
-            loss = _Loss.apply(policy_local_logits, loss, rows, ids - v_lo, lse, coef.reshape(-1)[rows],
-                               lp.tile_width)
+            w = canonical.token_weights(counts, contract.normalizer, contract.normalizer_constant)[seq_lo:seq_hi]
+            if triton_runs:
+                from ..triton import canonical as kernels
+
+                def backward(logits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+                    return kernels.grad(logits, action_ids, mask, logp, logp_ref, old, adv, w, lse, grad_loss, v_lo,
+                                        clip_lo, clip_hi, contract.beta)
+            else:
+                coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, mask, lo_t, hi_t, contract.beta)
+                coef = coef.reshape(-1)[rows]
+
+                def backward(logits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+                    flat = logits.reshape(-1, logits.shape[-1])
+                    grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
+                    write_grad(grad, flat, rows, ids - v_lo, lse, coef * grad_loss, lp.tile_width)
+                    return grad.view(logits.shape)
+
+            loss = _Loss.apply(policy_local_logits, loss, backward)
         return GRPOLossResult(
             loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy,
             per_sequence_kl=per_seq_kl, advantages=advantages, per_sequence_active_tokens=counts,
             provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID,
-                                  fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
-                                  tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
-                                  determinism_scope=contract.determinism_scope.value))
+                                  kernels="triton" if triton_runs else "torch", fingerprint=contract.fingerprint(),
+                                  tile_width=lp.tile_width, tp_world_size=s.tp_world_size,
+                                  dp_world_size=s.dp_world_size, determinism_scope=contract.determinism_scope.value))
+
+    @staticmethod
+    def _triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group, clip_lo, clip_hi):
+        """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [2, n], bad [n])`."""
+        from ..triton import canonical as kernels
+        n, T = mask.shape
+        v_lo = lp.local_bounds[0]
+        out, stats = kernels.row_lse(x, ref, action_ids, mask, v_lo, lp.tile_width, len(lp.vocab_shard_bounds) > 1)
+        sel, lse, sel_ref, lse_ref = out[0], out[1], out[2], out[3]
+        if stats is not None:
+            ids = action_ids.reshape(-1).long()
+            m, s_, sel = gather_tile_stats(stats[0, 0], stats[0, 1], sel, ids, lp, tp_group)
+            lse = kernels.merge_lse(torch.stack([m, s_]), mask, lp.tile_width)
+            if ref is not None:
+                m, s_, sel_ref = gather_tile_stats(stats[1, 0], stats[1, 1], sel_ref, ids, lp, tp_group)
+                lse_ref = kernels.merge_lse(torch.stack([m, s_]), mask, lp.tile_width)
+        flat_mask = mask.reshape(-1)
+        logp = torch.where(flat_mask, sel - lse, 0.0).view(n, T)
+        logp_ref = None if ref is None else torch.where(flat_mask, sel_ref - lse_ref, 0.0).view(n, T)
+        sums, bad = kernels.sequence_sums(logp, logp_ref, old, mask, adv, clip_lo, clip_hi)
+        return logp, logp_ref, lse, sums, bad

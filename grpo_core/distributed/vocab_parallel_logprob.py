@@ -43,6 +43,18 @@ def _gather_tiles(m: torch.Tensor, s: torch.Tensor, selected: torch.Tensor, cont
     return m_all, s_all, torch.stack([p[:, -1] for p in parts])
 
 
+def gather_tile_stats(m: torch.Tensor, s: torch.Tensor, selected: torch.Tensor, ids: torch.Tensor,
+                      contract: LogprobContract, tp_group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every TP rank's tile stats `[n, local tiles]` gathered into global tile order `[n, tiles]`, and the selected
+    logit of each row taken from the rank that owns its id (the others hold 0.0 there). TP = 1: unchanged."""
+    if len(contract.vocab_shard_bounds) == 1:
+        return m, s, selected
+    m, s, selected_all = _gather_tiles(m, s, selected, contract, tp_group)
+    starts = torch.tensor([b[0] for b in contract.vocab_shard_bounds[1:]], device=ids.device)
+    owner = torch.bucketize(ids, starts, right=True)
+    return m, s, selected_all.gather(0, owner.unsqueeze(0)).squeeze(0)
+
+
 def vocab_parallel_lse(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, contract: LogprobContract,
                        tp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """`(lse, selected logit)` fp32 `[len(rows)]` of the rows `rows` of this rank's `[tokens, local vocab]` shard,
@@ -57,11 +69,7 @@ def vocab_parallel_lse(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tens
     local = ids - lo
     owned = (local >= 0) & (local < hi - lo)
     selected = torch.where(owned, logits[rows, local.clamp(0, hi - lo - 1)].float(), 0.0)
-    if len(contract.vocab_shard_bounds) > 1:
-        m, s, selected_all = _gather_tiles(m, s, selected, contract, tp_group)
-        starts = torch.tensor([b[0] for b in contract.vocab_shard_bounds[1:]], device=ids.device)
-        owner = torch.bucketize(ids, starts, right=True)
-        selected = selected_all.gather(0, owner.unsqueeze(0)).squeeze(0)
+    m, s, selected = gather_tile_stats(m, s, selected, ids, contract, tp_group)
     return canonical.lse(*canonical.merge_stats(m, s)), selected
 
 

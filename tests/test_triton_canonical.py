@@ -1,0 +1,143 @@
+"""The deterministic path's Triton kernels give the torch reference's bits: primitives, the whole op, every TP x DP.
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (conftest sets it); on a GPU they compile for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from conftest import HAS_CUDA, assert_bitwise_equal, make_inputs
+from grpo_core import GRPOLossContract, ShardingSpec, canonical
+from grpo_core.distributed import DistributedGRPOLossOp
+from grpo_core.triton import canonical as kernels
+from harness.topology import Layout, run_world
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+FIELDS = ("loss", "policy_loss", "kl", "per_sequence_policy", "per_sequence_kl", "advantages",
+          "per_sequence_active_tokens")
+
+
+@triton.jit
+def _primitives(X, OUT, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + i, mask=i < n)
+    tl.store(OUT + i, kernels.exp(x), mask=i < n)
+    tl.store(OUT + n + i, kernels.exp_nonpos(-tl.abs(x)), mask=i < n)
+    tl.store(OUT + 2 * n + i, kernels.log(tl.abs(x)), mask=i < n)
+
+
+def test_primitives_give_the_torch_bits():
+    g = torch.Generator().manual_seed(0)
+    patterns = torch.randint(0, 0x7F800000, (1 << 17,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([patterns.view(torch.float32) * torch.where(torch.rand(1 << 17, generator=g) < 0.5, -1.0, 1.0),
+                   torch.randn(1 << 16, generator=g) * 30, torch.tensor([0.0, -0.0, float("-inf"), float("inf"),
+                                                                       -87.33655, -104.5, 88.72, 1.0])])
+    x = x.to(DEV)
+    out = torch.empty(3 * x.numel(), device=DEV)
+    _primitives[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024, enable_fp_fusion=False)
+    out = out.view(3, -1).cpu()
+    xc = x.cpu()
+    assert_bitwise_equal(out[0], canonical.exp(xc), "exp")
+    assert_bitwise_equal(out[1], canonical.exp(-xc.abs()), "exp_nonpos == exp on x <= 0")
+    normal = xc.abs() >= canonical.TINY
+    assert_bitwise_equal(out[2][normal & torch.isfinite(xc)], canonical.log(xc.abs()[normal & torch.isfinite(xc)]),
+                         "log")
+
+
+def contract(V: int, B: int, T: int, layout: Layout = Layout(1, 1), tp_rank: int = 0, dp_rank: int = 0, **over):
+    sharding = ShardingSpec.uniform(vocab_size=V, num_sequences=B, tp_world_size=layout.tp, dp_world_size=layout.dp,
+                                    tp_rank=tp_rank, dp_rank=dp_rank, vocab_tile=over.get("vocab_tile", 128))
+    fields = dict(num_sequences=B, padded_seq_len=T, vocab_size=V, samples_per_prompt=2, beta=0.04,
+                  sharding=sharding, determinism_scope="topology_invariant")
+    return GRPOLossContract(**{**fields, **over})
+
+
+def run(op, inp, c, tp_group=None, dp_group=None):
+    (lo, hi), (vlo, vhi) = c.sharding.sequence_bounds, c.sharding.vocab_bounds
+    x = inp["policy_logits"][lo:hi, :, vlo:vhi].to(DEV).clone().requires_grad_(True)
+    ref = inp["ref_logits"]
+    res = op.apply(x, inp["action_ids"][lo:hi].to(DEV), inp["old_logps"][lo:hi].to(DEV),
+                   inp["rewards"][lo:hi].to(DEV), contract=c, completion_mask=inp["completion_mask"][lo:hi].to(DEV),
+                   ref_local_logits=None if ref is None or c.beta == 0 else ref[lo:hi, :, vlo:vhi].to(DEV),
+                   tp_group=tp_group, dp_group=dp_group)
+    res.loss.backward()
+    out = {f: getattr(res, f).detach().cpu() for f in FIELDS}
+    out["grad"] = x.grad.cpu()
+    out["kernels"] = res.provenance["kernels"]
+    return out
+
+
+def assert_same(got: dict, want: dict, c: GRPOLossContract, label: str) -> None:
+    (lo, hi), (vlo, vhi) = c.sharding.sequence_bounds, c.sharding.vocab_bounds
+    for f in FIELDS:
+        assert_bitwise_equal(got[f], want[f], f"{label} {f}")
+    assert_bitwise_equal(got["grad"], want["grad"][lo:hi, :, vlo:vhi], f"{label} grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("normalizer,constant", [("global_active_tokens", None), ("per_sequence_then_mean", None),
+                                                 ("fixed_constant", 7.0)])
+def test_triton_kernels_give_the_reference_bits(dtype, normalizer, constant):
+    inp = make_inputs(4, 5, 300, seed=7, dtype=dtype, wide=True, empty_rows=(1,))
+    inp["policy_logits"][0, 0, :40] = float("-inf")  # vocabulary masking
+    c = contract(300, 4, 5, normalizer=normalizer, normalizer_constant=constant)
+    got = run(DistributedGRPOLossOp(kernels="triton"), inp, c)
+    want = run(DistributedGRPOLossOp(kernels="torch"), inp, c)
+    assert got["kernels"] == "triton" and want["kernels"] == "torch"
+    assert_same(got, want, c, f"{dtype} {normalizer}")
+
+
+@pytest.mark.parametrize("width, chunk, V", [(16, 64, 1000), (128, 256, 3001), (8, 8, 77), (512, 4096, 700)])
+def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, V):
+    """Chunks of several tiles, one tile per chunk, a chunk count that is not a power of two, partial tiles."""
+    monkeypatch.setattr(kernels, "CHUNK", chunk)
+    monkeypatch.setattr(kernels, "BLOCK_T", 2)  # several token chunks per sequence too
+    inp = make_inputs(2, 5, V, seed=V, wide=True)
+    c = contract(V, 2, 5, vocab_tile=width)
+    assert_same(run(DistributedGRPOLossOp(kernels="triton"), inp, c),
+                run(DistributedGRPOLossOp(kernels="torch"), inp, c), c, f"W={width} chunk={chunk} V={V}")
+
+
+def test_non_finite_logits_raise_like_the_reference():
+    inp = make_inputs(2, 3, 50, seed=2)
+    inp["policy_logits"][1, 0, 7] = float("nan")
+    c = contract(50, 2, 3)
+    messages = []
+    for k in ("triton", "torch"):
+        with pytest.raises(Exception) as info:
+            run(DistributedGRPOLossOp(kernels=k), inp, c)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] and "non-finite log-probabilities" in messages[0]
+
+
+LAYOUTS = [Layout(2, 1), Layout(4, 1), Layout(1, 2), Layout(2, 2)]
+
+
+def _world(ctx) -> list[str]:
+    """Every layout's Triton run against the single-rank torch reference, on this rank."""
+    failures = []
+    inp = make_inputs(4, 3, 520, seed=11, wide=True, empty_rows=(2,))
+    for over in (dict(), dict(normalizer="per_sequence_then_mean", group_boundaries=(0, 3, 4), samples_per_prompt=None,
+                              advantage_std="none")):
+        want = run(DistributedGRPOLossOp(kernels="torch"), inp, contract(520, 4, 3, vocab_tile=32, **over))
+        for lay in LAYOUTS:
+            p = ctx.place(lay)
+            if p is None:
+                continue
+            c = contract(520, 4, 3, lay, p.tp_rank, p.dp_rank, vocab_tile=32, **over)
+            try:
+                assert_same(run(DistributedGRPOLossOp(kernels="triton"), inp, c, p.tp_group, p.dp_group), want, c,
+                            f"{lay.name} rank {ctx.rank} {over}")
+            except AssertionError as exc:
+                failures.append(str(exc))
+    return failures
+
+
+@pytest.mark.distributed
+def test_every_layout_with_the_triton_kernels_gives_the_single_rank_reference_bits():
+    results = run_world(_world, 4, device=DEV, timeout_s=600,
+                        memory_fraction=0.1 if DEV == "cuda" else None)
+    assert [f for r in results for f in r] == []
