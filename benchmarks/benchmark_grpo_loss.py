@@ -6,6 +6,11 @@ Floors (E = bytes of one logits tensor, a = active-token fraction, BW = measured
 forward 2aE/BW; forward+backward single-pass (2a+1)E/BW (`ratio_to_floor` always uses this one); two-pass
 (3a+1)E/BW (recorded as `two_pass_floor_ms`).
 Baselines: native eager, torch.compile of the native op, Liger-Kernel's triton_grpo_loss when importable.
+The deterministic path (`topology_invariant`, the Triton kernels of the canonical math): `deterministic` at 1x1,
+and `deterministic_tp2` / `deterministic_tp4`: the kernels one rank of a 2- / 4-way vocabulary split runs (its
+shard's tile statistics, the merge of all ranks' statistics, the token sums, its shard's gradient), on one GPU,
+without the all_gather of the statistics (`[tokens, vocab / tile]` floats). `deterministic_torch` is the torch
+reference of the same bits.
 """
 
 from __future__ import annotations
@@ -18,10 +23,60 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import copy_bandwidth, make_inputs, parse_configs, provenance, report, timed  # noqa: E402
-from grpo_core import kernel_registry  # noqa: E402
+from grpo_core import (AdvantageStd, GRPOLossContract, ShardingSpec, TokenNormalizer, canonical,  # noqa: E402
+                       kernel_registry)
+from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
+from grpo_core.triton import canonical as kernels  # noqa: E402
 from grpo_core.triton.ratio_kl import BLOCK_V, NUM_STAGES, NUM_WARPS  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def deterministic(spp: int, kernels_name: str):
+    op = DistributedGRPOLossOp(kernels=kernels_name)
+
+    def run(inp):
+        B, T, V = inp["policy_logits"].shape
+        c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, samples_per_prompt=spp, beta=0.04,
+                             determinism_scope="topology_invariant")
+        return op.apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"], contract=c,
+                        completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"]).loss
+    return run
+
+
+class _OneTPRank(torch.autograd.Function):
+    """Rank 0's kernels of a `tp`-way vocabulary split (the statistics of the other ranks: copies of its own)."""
+
+    @staticmethod
+    def forward(ctx, x, inp, tp, spp):
+        B, T, V = inp["full_vocab"]
+        W = 128
+        lo = ShardingSpec.uniform(vocab_size=V, num_sequences=B, tp_world_size=tp).vocab_bounds[0]
+        mask, ids = inp["completion_mask"], inp["action_ids"]
+        out, stats = kernels.row_lse(x, inp["ref_logits"], ids, mask, lo, W, stats=True)
+        lse, lse_ref = (kernels.merge_lse(torch.cat([stats[k]] * tp, -1), mask, W) for k in (0, 1))
+        flat = mask.reshape(-1)
+        logp = torch.where(flat, out[0] - lse, 0.0).view(B, T)
+        logp_ref = torch.where(flat, out[2] - lse_ref, 0.0).view(B, T)
+        adv = canonical.group_advantages(inp["rewards"], tuple(range(0, B + 1, spp)), AdvantageStd.POPULATION)
+        sums, _ = kernels.sequence_sums(logp, logp_ref, inp["old_logps"], mask, adv, 0.8, 1.2)
+        counts = mask.sum(-1)
+        loss = canonical.combine(sums[0], sums[1], counts, 0.04, TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
+                                 None)[0]
+        w = canonical.token_weights(counts, TokenNormalizer.GLOBAL_ACTIVE_TOKENS, None)
+        ctx.save_for_backward(x, ids, mask, logp, logp_ref, inp["old_logps"], adv, w, lse)
+        ctx.lo = lo
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, ids, mask, logp, logp_ref, old, adv, w, lse = ctx.saved_tensors
+        return kernels.grad(x, ids, mask, logp, logp_ref, old, adv, w, lse, grad_loss, ctx.lo, 0.8, 1.2,
+                            0.04), None, None, None
+
+
+def one_tp_rank(spp: int, tp: int):
+    return lambda inp: _OneTPRank.apply(inp["policy_logits"], inp, tp, spp)
 
 
 def backends(spp: int, skip: set[str]) -> dict:
@@ -32,6 +87,10 @@ def backends(spp: int, skip: set[str]) -> dict:
         for suffix, check in (("", True), ("_unchecked", False)):  # with / without the host sync for bad values
             out[f"triton_{mode}{suffix}"] = (lambda inp, single=single, check=check: triton_op(
                 **inp, samples_per_prompt=spp, single_pass=single, check_values=check)[0])
+    out["deterministic"] = deterministic(spp, "triton")
+    out["deterministic_tp2"] = one_tp_rank(spp, 2)
+    out["deterministic_tp4"] = one_tp_rank(spp, 4)
+    out["deterministic_torch"] = deterministic(spp, "torch")
     out["native"] = lambda inp: native(**inp, samples_per_prompt=spp)[0]
     if "compile" not in skip:
         compiled = torch.compile(lambda inp: native(**inp, samples_per_prompt=spp)[0])
@@ -77,11 +136,18 @@ def main() -> None:
             if name == "liger":
                 inp["liger_policy"] = torch.cat([inp["policy_logits"], inp["policy_logits"][:, :1]], 1)
                 inp["liger_ref"] = torch.cat([inp["ref_logits"], inp["ref_logits"][:, :1]], 1)
+            shard = None
+            if name.startswith("deterministic_tp"):  # this rank's own (contiguous) shards of both tensors
+                tp = int(name.removeprefix("deterministic_tp"))
+                lo, hi = ShardingSpec.uniform(vocab_size=V, num_sequences=B, tp_world_size=tp).vocab_bounds
+                shard = {**inp, "full_vocab": (B, T, V), "policy_logits": inp["policy_logits"][..., lo:hi].contiguous(),
+                         "ref_logits": inp["ref_logits"][..., lo:hi].contiguous()}
             for mode in ("fwd", "fwd_bwd"):
-                x = (inp["liger_policy"] if name == "liger" else inp["policy_logits"]).detach()
+                base = shard or inp
+                x = (base["liger_policy"] if name == "liger" else base["policy_logits"]).detach()
                 x.requires_grad_(mode == "fwd_bwd")
                 key = "liger_policy" if name == "liger" else "policy_logits"
-                call = {**inp, key: x}
+                call = {**base, key: x}
                 if mode == "fwd":
                     def run(call=call, fn=fn):
                         with torch.no_grad():
@@ -94,17 +160,19 @@ def main() -> None:
                 except torch.OutOfMemoryError:
                     print(f"{name} {mode} V={V}: out of memory", file=sys.stderr)
                     continue
-                floor = floors["fwd" if mode == "fwd" else "fwd_bwd"]
+                share = (hi - lo) / V if shard else 1.0  # a TP rank reads and writes its shard only
+                floor = floors["fwd" if mode == "fwd" else "fwd_bwd"] * share
                 rows.append(dict(op="grpo_loss", backend=name, mode=mode, config=f"{P},{S},{L},{V}", B=B, T=T, V=V,
                                  dtype=args.dtype, active=a, p50_ms=p50, p20_ms=p20, p80_ms=p80, peak_extra_mib=peak,
                                  floor_ms=floor, ratio_to_floor=p50 / floor,
-                                 two_pass_floor_ms=floors["fwd_bwd_two_pass"], copy_bw_tbps=bw / 1e12,
-                                 bw_tbps=(2 * a * E if mode == "fwd" else (2 * a + 1) * E) / (p50 * 1e-3) / 1e12,
+                                 two_pass_floor_ms=floors["fwd_bwd_two_pass"] * share, copy_bw_tbps=bw / 1e12,
+                                 bw_tbps=(2 * a * E if mode == "fwd" else (2 * a + 1) * E) * share / (p50 * 1e-3) / 1e12,
                                  logits_gib=E / 2**30, triton_block_v=BLOCK_V, triton_num_warps=NUM_WARPS,
                                  triton_num_stages=NUM_STAGES, **prov))
                 print(f"{name:16s} {mode:8s} V={V:6d} p50 {p50:8.3f} ms  floor {floor:7.3f}  x{p50 / floor:5.2f}  "
                       f"peak {peak:9.1f} MiB", flush=True)
             inp.pop("liger_policy", None), inp.pop("liger_ref", None)
+            del shard
         del inp
         torch.cuda.empty_cache()
     report(rows, args.out)
