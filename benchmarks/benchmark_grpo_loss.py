@@ -166,7 +166,7 @@ def main() -> None:
                                  dtype=args.dtype, active=a, p50_ms=p50, p20_ms=p20, p80_ms=p80, peak_extra_mib=peak,
                                  floor_ms=floor, ratio_to_floor=p50 / floor,
                                  two_pass_floor_ms=floors["fwd_bwd_two_pass"] * share, copy_bw_tbps=bw / 1e12,
-                                 bw_tbps=(2 * a * E if mode == "fwd" else (2 * a + 1) * E) * share / (p50 * 1e-3) / 1e12,
+                                 bw_tbps=floor * bw / (p50 * 1e12),
                                  logits_gib=E / 2**30, triton_block_v=BLOCK_V, triton_num_warps=NUM_WARPS,
                                  triton_num_stages=NUM_STAGES, **prov))
                 print(f"{name:16s} {mode:8s} V={V:6d} p50 {p50:8.3f} ms  floor {floor:7.3f}  x{p50 / floor:5.2f}  "

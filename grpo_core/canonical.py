@@ -21,6 +21,8 @@ formulas with torch's own `exp` (`ratio_and_kl(..., exp=torch.exp)`) and the can
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -150,20 +152,26 @@ def lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, m + log(torch.where(finite, s, 1.0)), float("nan"))
 
 
+@functools.lru_cache(maxsize=64)
+def _group_layout(group_boundaries: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """`(group of each sequence, its slot in the group, group sizes as fp32, valid slots [G, max_group])` on
+    `device`. Cached: a copy from pageable host memory would wait for everything queued on the stream."""
+    bounds = torch.tensor(group_boundaries)
+    sizes = bounds[1:] - bounds[:-1]
+    group_of = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    slot = torch.arange(len(group_of)) - bounds[:-1][group_of]
+    valid = torch.zeros(len(sizes), int(sizes.max()), dtype=torch.bool).index_put((group_of, slot), torch.tensor(True))
+    return tuple(t.to(device) for t in (group_of, slot, sizes.to(F32), valid))
+
+
 def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
     """`(r - mean_g) / max(std_g, fp32(1e-6))` (or `r - mean_g` without std) per CSR group; fp32 `[S]`.
 
     The groups are laid out as a zero-padded `[G, max_group]` grid and reduced with `pair_sum`, so every rank
     that holds the gathered rewards computes the same bits, on any device."""
     r = rewards.to(F32)
-    bounds = torch.tensor(group_boundaries, device=r.device)
-    sizes = bounds[1:] - bounds[:-1]
-    group_of = torch.repeat_interleave(torch.arange(len(sizes), device=r.device), sizes, output_size=r.numel())
-    slot = torch.arange(r.numel(), device=r.device) - bounds[:-1][group_of]
-    width = max(b - a for a, b in zip(group_boundaries[:-1], group_boundaries[1:]))  # no device sync
-    grid = r.new_zeros(len(sizes), width).index_put((group_of, slot), r)
-    valid = torch.zeros_like(grid, dtype=torch.bool).index_put((group_of, slot), torch.ones_like(r, dtype=torch.bool))
-    n = sizes.to(F32)
+    group_of, slot, n, valid = _group_layout(tuple(group_boundaries), r.device)
+    grid = r.new_zeros(valid.shape).index_put((group_of, slot), r)
     mean = pair_sum(grid) / n
     centered = r - mean[group_of]
     if std is AdvantageStd.NONE:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import canonical as C
+from .launch import pick, twins
 
 CHUNK = 4096  # vocabulary columns per loop iteration of the row kernels
 BLOCK_T = 1024  # tokens per loop iteration of the sequence kernel
@@ -157,7 +158,6 @@ def _row_lse(row_ptr, V, tiles, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.con
     return _lse(m, s)
 
 
-@triton.jit(do_not_specialize=["V", "stride_x", "stride_r", "lo"])
 def _row_kernel(
     x_ptr,  # policy logits [N, V] (this rank's vocabulary shard), rows `stride_x` apart
     r_ptr,  # reference logits [N, V], rows `stride_r` apart (HAS_REF)
@@ -278,7 +278,6 @@ def _sequence_kernel(
     tl.store(bad_ptr + b, tl.max(bad, 0).to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["V", "stride_x", "stride_g", "lo"])
 def _grad_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
     ids_ptr,  # global action ids [N]
@@ -331,6 +330,10 @@ def _grad_kernel(
             tl.store(g_row + c, tl.zeros((BLOCK,), g_ptr.dtype.element_ty), mask=c < V)
 
 
+_ROW = twins(_row_kernel, ["V", "stride_x", "stride_r"])
+_GRAD = twins(_grad_kernel, ["V", "stride_x", "stride_g"])
+
+
 def _log2(n: int) -> int:
     return n.bit_length() - 1
 
@@ -363,9 +366,10 @@ def row_lse(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, m
     out = torch.empty(4, N, dtype=torch.float32, device=x.device)
     st = torch.empty((2, 2, N, tiles) if stats else (1,), dtype=torch.float32, device=x.device)
     if N:
-        _row_kernel[(N,)](x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), out, st, N, V,
-                          x.stride(0), r.stride(0), lo, tiles, HAS_REF=ref is not None, STATS=stats, W=width,
-                          LOG2W=_log2(width), **_tiling(tiles, width), **_FP)
+        pick(_ROW, V, x.stride(0), r.stride(0))[(N,)](
+            x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), out, st, N, V, x.stride(0), r.stride(0),
+            lo, tiles, HAS_REF=ref is not None, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width),
+            **_FP)
     return out, (st if stats else None)
 
 
@@ -404,11 +408,11 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
     bf16_bits = _INTERPRET and g.dtype == torch.bfloat16
     if N and V:
-        _grad_kernel[(N,)](x, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), logp.contiguous(),
-                           (logp_ref if logp_ref is not None else logp).contiguous(),
-                           old.to(torch.float32).contiguous(), adv.contiguous(), weights.contiguous(),
-                           lse.contiguous(), grad_loss.to(torch.float32).reshape(1),
-                           g.view(torch.int16) if bf16_bits else g, mask.shape[-1], V, x.stride(0), g.stride(0), lo,
-                           clip_lo, clip_hi, beta, HAS_REF=logp_ref is not None, BF16_BITS=bf16_bits,
-                           BLOCK=min(CHUNK, triton.next_power_of_2(V)), **_FP)
+        pick(_GRAD, V, x.stride(0), g.stride(0))[(N,)](
+            x, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), logp.contiguous(),
+            (logp_ref if logp_ref is not None else logp).contiguous(), old.to(torch.float32).contiguous(),
+            adv.contiguous(), weights.contiguous(), lse.contiguous(), grad_loss.to(torch.float32).reshape(1),
+            g.view(torch.int16) if bf16_bits else g, mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi,
+            beta, HAS_REF=logp_ref is not None, BF16_BITS=bf16_bits, BLOCK=min(CHUNK, triton.next_power_of_2(V)),
+            **_FP)
     return g.view(policy.shape)

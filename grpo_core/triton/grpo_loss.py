@@ -33,6 +33,7 @@ from ..canonical import STD_FLOOR
 from ..contract import AdvantageStd, TokenNormalizer, loss_options
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
+from .launch import pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
@@ -168,7 +169,6 @@ def _finish_kernel(
     tl.store(flags_ptr, tl.max(bad, 0))
 
 
-@triton.jit(do_not_specialize=["V", "stride"])
 def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
     """`g *= s` row by row, in place; a no-op (no read, no write) when `s == 1`, as after `loss.backward()`."""
     s = tl.load(s_ptr)
@@ -178,6 +178,9 @@ def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
             offs = start + tl.arange(0, BLOCK)
             g = tl.load(row + offs, mask=offs < V).to(tl.float32)
             tl.store(row + offs, (g * s).to(g_ptr.dtype.element_ty), mask=offs < V)
+
+
+_SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 
 _NORMALIZERS = {TokenNormalizer.GLOBAL_ACTIVE_TOKENS: 0, TokenNormalizer.PER_SEQUENCE_THEN_MEAN: 1,
@@ -265,7 +268,8 @@ class _GRPOLoss(torch.autograd.Function):
         else:  # scaled in place by a kernel that does nothing when grad_loss == 1: no device sync, no extra pass
             g = grad.view(grad.shape[0] * grad.shape[1], grad.shape[2])  # `inplace`: the logits' row stride
             if g.shape[0] > 0:
-                _scale_rows_kernel[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0), BLOCK=block(g.shape[1]))
+                pick(_SCALE, g.shape[1], g.stride(0))[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0),
+                                                                     BLOCK=block(g.shape[1]))
         return (grad,) + (None,) * 9
 
 

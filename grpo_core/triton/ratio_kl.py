@@ -20,6 +20,7 @@ from torch.library import triton_op, wrap_triton
 
 from .. import canonical
 from ..contract import check_inputs
+from .launch import pick, twins
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
 # (4 warps x 4096-wide chunks x 3 stages were best on average over V = 32768 .. 151936); overridable for sweeps.
@@ -157,9 +158,6 @@ def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, act
         _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, BLOCK, SUB)
 
 
-# Row strides and V are never specialized: Triton turns an argument equal to 1 into a constant, and with V = 1
-# (a stride of 1) the alignment hints of the aligned chunks then break a compiler pass (TritonGPUCoalesce).
-@triton.jit(do_not_specialize=["V", "stride_x", "stride_r", "stride_g"])
 def _logprob_fwd_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
     r_ptr,  # reference logits [N, V], rows `stride_r` apart (read only with HAS_REF)
@@ -210,7 +208,6 @@ def _logprob_fwd_kernel(
         _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC_X, BLOCK)
 
 
-@triton.jit(do_not_specialize=["V", "stride_x", "stride_g"])
 def _logprob_grad_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
     ids_ptr,  # action ids [N]
@@ -244,6 +241,10 @@ def _logprob_grad_kernel(
     _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC, BLOCK)
 
 
+_FWD = twins(_logprob_fwd_kernel, ["V", "stride_x", "stride_r", "stride_g"])
+_GRAD = twins(_logprob_grad_kernel, ["V", "stride_x", "stride_g"])
+
+
 def rows(t: torch.Tensor) -> torch.Tensor:
     """`[B, T, V]` as `[N, V]` rows with unit column stride (a copy only when the layout demands one)."""
     t = t.reshape(t.shape[0] * t.shape[1], t.shape[2])
@@ -273,7 +274,7 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
     g = grad.view(N, V) if single else x
     if N == 0 or V == 0:  # T = 0, or V = 0 (no token can be active): nothing to read
         return out.zero_()
-    launch(_logprob_fwd_kernel)[(N,)](
+    launch(pick(_FWD, V, x.stride(0), r.stride(0), g.stride(0)))[(N,)](
         x, r, flat(ids), flat(mask), out, out if err is None else err, flat(old) if single else out,
         adv if single else out, weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0),
         g.stride(0), clip_low, clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single,
@@ -292,7 +293,7 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
     from_ptr = old is None
     if N == 0 or V == 0:
         return grad.view(policy.shape)
-    launch(_logprob_grad_kernel)[(N,)](
+    launch(pick(_GRAD, V, x.stride(0), grad.stride(0)))[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old), out if from_ptr else adv,
         out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high,
         beta, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, VEC=16 // x.element_size(), BLOCK=block(V), num_warps=NUM_WARPS,
