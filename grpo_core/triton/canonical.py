@@ -6,11 +6,11 @@ makes that hold: kernels compile with `enable_fp_fusion=False` (no FMA), divide 
 GPU's approximate exp / log, propagate NaN through max / min like torch, and build every sum as the same tree
 of adjacent pairs (`tl.split` of a trailing dimension of two: one add, the only possible order).
 
-- `_row_kernel`, one program per token row: the policy and reference rows stream together in chunks of `NT`
-  vocabulary tiles of `W` columns. Each tile gives `(max, sum exp(x - max))`; the chunk's tiles merge by a tree
-  of adjacent pairs and the chunks' results by a tree over the chunk count padded to a power of two: the
-  tree of `canonical.merge_stats` over all tiles, decomposed into aligned subtrees. With TP > 1 it writes the
-  per-tile statistics instead; they travel by `all_gather` and `_merge_kernel` merges them in global tile order.
+- `_row_kernel`, one program per token row and tensor (policy, reference): the row streams in chunks of `NT`
+  vocabulary tiles of `W` columns; each tile gives `(max, sum exp(x - max))`, collected in registers, and one
+  tree of adjacent pairs merges them all at the end: the tree of `canonical.merge_stats` (the padded tile count
+  `CHUNKS * NT` only adds identity leaves). With TP > 1 it writes the per-tile statistics instead; they travel
+  by `all_gather` and `_merge_kernel` merges them in global tile order.
 - `_sequence_kernel`, one program per sequence: the token terms and their tree sums over `padded_seq_len`.
 - `_grad_kernel`, one program per token row: `coef * (onehot - exp(x - lse))` in the logits' dtype.
 Masked rows are never read.
@@ -112,13 +112,16 @@ def _pair_sum(x, N: tl.constexpr, LOG2N: tl.constexpr):
 
 @triton.jit
 def _merge(m, s, N: tl.constexpr, LOG2N: tl.constexpr):
-    """`canonical.merge_stats` of `[N]` pairs (a power of two, padded with `(-inf, 0)`): one `(M, S)`."""
+    """`canonical.merge_stats` of `[N]` pairs (a power of two, padded with `(-inf, 0)`): one `(M, S)`.
+
+    One exp per merge: the larger side's factor is exp(0) = 1 exactly, so `s1 * exp(m1 - M) + s2 * exp(m2 - M)`
+    has the bits of the larger side's `s` plus the other `s` times one exp."""
     for k in tl.static_range(LOG2N):
         m1, m2 = tl.split(tl.reshape(m, (N >> (k + 1), 2)))
         s1, s2 = tl.split(tl.reshape(s, (N >> (k + 1), 2)))
         m = _max(m1, m2)
-        shift = tl.where(m == float("-inf"), 0.0, m)
-        s = s1 * exp_nonpos(m1 - shift) + s2 * exp_nonpos(m2 - shift)
+        e = exp_nonpos(_min(m1, m2) - tl.where(m == float("-inf"), 0.0, m))
+        s = tl.where(m1 >= m2, s1 + s2 * e, s1 * e + s2)
     return tl.max(m, 0), tl.sum(s, 0)
 
 
@@ -146,59 +149,62 @@ def _lse(m, s):
 @triton.jit
 def _row_lse(row_ptr, V, tiles, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, LOG2NT: tl.constexpr,
              CHUNKS: tl.constexpr, LOG2C: tl.constexpr):
-    idx = tl.arange(0, CHUNKS)
-    ms = tl.full((CHUNKS,), float("-inf"), tl.float32)
-    ss = tl.zeros((CHUNKS,), tl.float32)
+    """lse of one row: its tiles' statistics collected in registers `[CHUNKS, NT]` (global tile order when
+    flattened), then one merge tree over all of them."""
+    chunk = tl.arange(0, CHUNKS)[:, None]
+    ms = tl.full((CHUNKS, NT), float("-inf"), tl.float32)
+    ss = tl.zeros((CHUNKS, NT), tl.float32)
     for c in range(0, tl.cdiv(tiles, NT)):
         m, s = _tiles(row_ptr, c * NT, V, NT, W, LOG2W)
-        mc, sc = _merge(m, s, NT, LOG2NT)
-        ms = tl.where(idx == c, mc, ms)
-        ss = tl.where(idx == c, sc, ss)
-    m, s = _merge(ms, ss, CHUNKS, LOG2C)
+        ms = tl.where(chunk == c, m[None, :], ms)
+        ss = tl.where(chunk == c, s[None, :], ss)
+    m, s = _merge(tl.reshape(ms, (CHUNKS * NT,)), tl.reshape(ss, (CHUNKS * NT,)), CHUNKS * NT, LOG2C + LOG2NT)
     return _lse(m, s)
+
+
+@triton.jit
+def _row(row_ptr, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, STATS: tl.constexpr, W: tl.constexpr,
+         LOG2W: tl.constexpr, NT: tl.constexpr, LOG2NT: tl.constexpr, CHUNKS: tl.constexpr, LOG2C: tl.constexpr):
+    """One active row of tensor `which` (0 policy, 1 reference): its selected logit, and its lse or tile stats."""
+    tl.store(out_ptr + 2 * which * N + row, tl.load(row_ptr + a, mask=owned, other=0.0).to(tl.float32))
+    if STATS:
+        for c in range(0, tl.cdiv(tiles, NT)):
+            t = c * NT + tl.arange(0, NT)
+            m, s = _tiles(row_ptr, c * NT, V, NT, W, LOG2W)
+            tl.store(stats_ptr + (2 * which * N + row) * tiles + t, m, mask=t < tiles)
+            tl.store(stats_ptr + ((2 * which + 1) * N + row) * tiles + t, s, mask=t < tiles)
+    else:
+        tl.store(out_ptr + (2 * which + 1) * N + row, _row_lse(row_ptr, V, tiles, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C))
 
 
 def _row_kernel(
     x_ptr,  # policy logits [N, V] (this rank's vocabulary shard), rows `stride_x` apart
-    r_ptr,  # reference logits [N, V], rows `stride_r` apart (HAS_REF)
+    r_ptr,  # reference logits [N, V], rows `stride_r` apart (read by the programs of grid axis 1 = 1)
     ids_ptr,  # global action ids [N]
     mask_ptr,  # completion mask [N], nonzero = active
     out_ptr,  # out: fp32 [4, N] = selected logit, lse, and the same for the reference (0.0 on masked rows)
     stats_ptr,  # out (STATS): fp32 [2 (policy, ref), 2 (max, sumexp), N, tiles] per-tile statistics
     N, V, stride_x, stride_r, lo, tiles,
     # Meta-parameters
-    HAS_REF: tl.constexpr,
     STATS: tl.constexpr,  # TP > 1: write the tiles' statistics, no lse
     W: tl.constexpr, LOG2W: tl.constexpr,  # tile width (a power of two)
     NT: tl.constexpr, LOG2NT: tl.constexpr,  # tiles per chunk
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks per row, padded to a power of two
 ):
     row = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)  # 0: the policy row, 1: the reference row (a program each)
     if tl.load(mask_ptr + row) != 0:
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         owned = (a >= 0) & (a < V)
-        x_row = x_ptr + row * stride_x
-        r_row = r_ptr + row * stride_r
-        tl.store(out_ptr + row, tl.load(x_row + a, mask=owned, other=0.0).to(tl.float32))
-        if HAS_REF:
-            tl.store(out_ptr + 2 * N + row, tl.load(r_row + a, mask=owned, other=0.0).to(tl.float32))
-        if STATS:
-            for c in range(0, tl.cdiv(tiles, NT)):
-                t = c * NT + tl.arange(0, NT)
-                m, s = _tiles(x_row, c * NT, V, NT, W, LOG2W)
-                tl.store(stats_ptr + row * tiles + t, m, mask=t < tiles)
-                tl.store(stats_ptr + (N + row) * tiles + t, s, mask=t < tiles)
-                if HAS_REF:
-                    m, s = _tiles(r_row, c * NT, V, NT, W, LOG2W)
-                    tl.store(stats_ptr + (2 * N + row) * tiles + t, m, mask=t < tiles)
-                    tl.store(stats_ptr + (3 * N + row) * tiles + t, s, mask=t < tiles)
+        if which == 0:
+            _row(x_ptr + row * stride_x, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, STATS, W, LOG2W, NT,
+                 LOG2NT, CHUNKS, LOG2C)
         else:
-            tl.store(out_ptr + N + row, _row_lse(x_row, V, tiles, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C))
-            if HAS_REF:
-                tl.store(out_ptr + 3 * N + row, _row_lse(r_row, V, tiles, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C))
+            _row(r_ptr + row * stride_r, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, STATS, W, LOG2W, NT,
+                 LOG2NT, CHUNKS, LOG2C)
     else:
-        for k in tl.static_range(4):
-            tl.store(out_ptr + k * N + row, 0.0)
+        tl.store(out_ptr + 2 * which * N + row, 0.0)
+        tl.store(out_ptr + (2 * which + 1) * N + row, 0.0)
 
 
 @triton.jit
@@ -363,13 +369,12 @@ def row_lse(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, m
     r = _rows2d(ref) if ref is not None else x
     N, V = x.shape
     tiles = -(-V // width)
-    out = torch.empty(4, N, dtype=torch.float32, device=x.device)
+    out = torch.zeros(4, N, dtype=torch.float32, device=x.device)
     st = torch.empty((2, 2, N, tiles) if stats else (1,), dtype=torch.float32, device=x.device)
     if N:
-        pick(_ROW, V, x.stride(0), r.stride(0))[(N,)](
+        pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), out, st, N, V, x.stride(0), r.stride(0),
-            lo, tiles, HAS_REF=ref is not None, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width),
-            **_FP)
+            lo, tiles, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width), **_FP)
     return out, (st if stats else None)
 
 
