@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .. import canonical
 from ..contract import GRPOLossContract, LossContractError, check_inputs
 from ..result import GRPOLossResult, provenance
-from .preflight import preflight, replicated_digest
+from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import vocab_parallel_lse, write_grad
 
 BACKEND_ID = "distributed/2"
@@ -65,7 +65,9 @@ class DistributedGRPOLossOp:
     Local tensors: `policy_local_logits` / `ref_local_logits` `[n_local, padded_seq_len, local_vocab]` (this rank's
     sequences and vocab shard), `action_ids` (global ids), `old_logps`, `completion_mask` `[n_local,
     padded_seq_len]`, `rewards` `[n_local]`. The result's scalars and per-sequence vectors cover the whole batch
-    and are identical on every rank; the gradient flows into this rank's shard.
+    and are identical on every rank; the gradient flows into this rank's shard of the policy logits only (never
+    into `old_logps`, `rewards` or the reference logits). Every bad input, on any rank, raises the same
+    `LossContractError` on every rank (`preflight.py` says what can and cannot be guaranteed).
     """
 
     backend = "distributed"
@@ -85,25 +87,33 @@ class DistributedGRPOLossOp:
               rewards: torch.Tensor, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None
               ) -> GRPOLossResult:
-        if not isinstance(contract, GRPOLossContract):
-            raise LossContractError(f"contract: expected a GRPOLossContract, got {type(contract).__name__}")
-        s = contract.sharding
-        (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
-        n_local, T = seq_hi - seq_lo, contract.padded_seq_len
+        tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
+                   "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards,
+                   "completion_mask": completion_mask}
 
-        def local_checks() -> torch.Tensor:
-            expected = (n_local, T, v_hi - v_lo)
-            if isinstance(policy_local_logits, torch.Tensor) and tuple(policy_local_logits.shape) != expected:
+        def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
+            s = contract.sharding
+            (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
+            check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
+                         beta=contract.beta, values=False, rewards_required=True)  # types before the shape
+            expected = (seq_hi - seq_lo, contract.padded_seq_len, v_hi - v_lo)
+            if tuple(policy_local_logits.shape) != expected:
                 raise LossContractError(
                     f"policy_local_logits: expected [owned sequences, padded_seq_len, local vocab] = {list(expected)}"
                     f" from the contract (sequences {seq_lo}:{seq_hi}, vocab {v_lo}:{v_hi}), got "
                     f"{list(policy_local_logits.shape)}")
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                                beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=n_local)
+                                beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
+                                rewards_required=True)
 
-        mask = preflight(contract, BACKEND_ID, local_checks, tp_group, dp_group,
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks,
                          lambda: replicated_digest(completion_mask, torch.where(completion_mask.bool(), action_ids, 0),
-                                                   torch.where(completion_mask.bool(), old_logps, 0), rewards))
+                                                   torch.where(completion_mask.bool(), old_logps, 0), rewards),
+                         tp_group, dp_group)
+        old_logps, rewards = old_logps.detach(), rewards.detach()  # the gradient flows into the policy logits only
+        s = contract.sharding
+        (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
+        n_local, T = seq_hi - seq_lo, contract.padded_seq_len
         lp = contract.logprob_contract
         rows = mask.reshape(-1).nonzero().squeeze(1)
         ids = action_ids.reshape(-1)[rows].long()
@@ -131,11 +141,8 @@ class DistributedGRPOLossOp:
         counts_bad = gather_sequences(torch.stack([mask.sum(-1), bad_seq.view(n_local, T).sum(-1)], -1), contract,
                                       dp_group)
         counts = counts_bad[:, 0]
-        if bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together
-            seqs = counts_bad[:, 1].nonzero().flatten()[:8].tolist()
-            raise LossContractError(
-                f"policy_logits / ref_logits: non-finite log-probabilities at active tokens of sequences {seqs}: "
-                f"a row holds a NaN or +inf logit, or the action's logit is -inf (probability 0)")
+        if bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together, same words
+            check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
         per_seq_policy = gather_sequences(self._token_sum(policy_tok), contract, dp_group)
         per_seq_kl = gather_sequences(self._token_sum(kl_tok), contract, dp_group)
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
