@@ -333,7 +333,8 @@ def test_rewards_none_and_explicit_triton_raise_the_same_error():
     msg = _call_every_path({**inp, "rewards": None}, "^rewards: expected a torch.Tensor, got None$")
     pytest.importorskip("triton")
     triton = kernel_registry.get_op("grpo_loss", backend="triton")  # the shared checks run before any kernel
-    for bad, want in (({"rewards": None}, msg), ({"policy_logits": inp["policy_logits"].numpy()},
+    inp = {k: v.to("cuda" if torch.cuda.is_available() else "cpu") for k, v in inp.items()}  # CPU: interpreter
+    for bad, want in (({"rewards": None}, msg), ({"policy_logits": inp["policy_logits"].cpu().numpy()},
                                                  "policy_logits: expected a torch.Tensor, got numpy.ndarray")):
         with pytest.raises(LossContractError, match=want):
             triton(**{**inp, **bad}, samples_per_prompt=2)
