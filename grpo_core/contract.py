@@ -3,6 +3,12 @@
 A contract is frozen and validated on construction. Two ranks of one job build equal contracts up to their
 rank indices; `fingerprint()` hashes everything else, so ranks (and runs, and processes) can prove they
 agree before any float is exchanged.
+
+This module also holds every input check that the backends share (`check_options`, `check_inputs`,
+`check_logprobs`), so that one bad input gives the same `LossContractError`, word for word, on every backend:
+an argument of the wrong type, an option that is not a finite float32, a non-finite reward (after the cast to
+float32), old log-prob or selected log-prob at an active token. Masked tokens are never checked: they may
+hold anything.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import enum
 import hashlib
 import json
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +37,8 @@ __all__ = [
 # Bumped whenever the arithmetic behind a fingerprint changes, so old goldens stop matching loudly.
 MATH_VERSION = "grpo-core-math-2"  # 2: the canonical math (portable exp / log / sqrt, adjacent-pair trees)
 DEFAULT_VOCAB_TILE = 128
+FP32_MAX = float.fromhex("0x1.fffffep+127")
+FP32_TINY = float.fromhex("0x1p-126")  # the smallest normal float32
 
 
 class LossContractError(ValueError):
@@ -78,6 +87,25 @@ def check_float(name: str, value: Any, *, minimum: float, maximum: float = math.
     if not math.isfinite(value) or value < minimum or value > maximum or (open_max and value == maximum):
         upper = f"< {maximum}" if open_max else f"<= {maximum}"
         raise LossContractError(f"{name}: expected a finite float >= {minimum} and {upper}, got {value!r}")
+    return value
+
+
+def to_fp32(value: float) -> float:
+    """`value` rounded to the nearest float32 (as `torch.tensor(value, dtype=torch.float32)` would), +-inf when
+    it overflows."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def check_fp32(name: str, value: Any, *, minimum: float, maximum: float = math.inf, open_max: bool = False) -> float:
+    """`check_float`, and the value must stay finite once rounded to float32, the precision every backend
+    computes in. Returns the Python float, unrounded (the fingerprint keeps every bit given)."""
+    value = check_float(name, value, minimum=minimum, maximum=maximum, open_max=open_max)
+    if not math.isfinite(to_fp32(value)):
+        raise LossContractError(f"{name}: expected a float that is finite in float32 (at most {FP32_MAX!r}), got "
+                                f"{value!r}, which overflows to inf in float32")
     return value
 
 
@@ -237,17 +265,15 @@ class GRPOLossContract:
         check_int("num_sequences", self.num_sequences, minimum=1)
         check_int("padded_seq_len", self.padded_seq_len, minimum=1)
         check_int("vocab_size", self.vocab_size, minimum=1)
-        _set(self, "clip_eps", check_float("clip_eps", self.clip_eps, minimum=0.0, maximum=1.0, open_max=True))
-        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-        _set(self, "clip_eps_high", check_float("clip_eps_high", high, minimum=0.0))
-        _set(self, "beta", check_float("beta", self.beta, minimum=0.0))
-        _set(self, "normalizer", check_enum(TokenNormalizer, "normalizer", self.normalizer))
-        _set(self, "advantage_std", check_enum(AdvantageStd, "advantage_std", self.advantage_std))
+        options = check_options(clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high, beta=self.beta,
+                                normalizer=self.normalizer, normalizer_constant=self.normalizer_constant,
+                                advantage_std=self.advantage_std)
+        for name, value in options.items():
+            _set(self, name, value)
         _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
         groups = check_groups(self.num_sequences, self.samples_per_prompt, self.group_boundaries, self.advantage_std)
         if self.group_boundaries is not None:
             _set(self, "group_boundaries", groups)
-        _set(self, "normalizer_constant", check_normalizer_constant(self.normalizer, self.normalizer_constant))
         check_int("vocab_tile", self.vocab_tile, minimum=1)
 
         sharding = self.sharding
@@ -329,8 +355,13 @@ def check_groups(num_sequences: int, samples_per_prompt: Any, group_boundaries: 
     if (samples_per_prompt is None) == (group_boundaries is None):
         given = "both" if samples_per_prompt is not None else "neither"
         raise LossContractError(f"samples_per_prompt / group_boundaries: expected exactly one of them, got {given}")
+    std = check_enum(AdvantageStd, "advantage_std", advantage_std)
     if samples_per_prompt is not None:
         size = check_int("samples_per_prompt", samples_per_prompt, minimum=1)
+        if size == 1 and std is not AdvantageStd.NONE:
+            raise LossContractError(f"samples_per_prompt: expected >= 2 under advantage_std={std.value!r} (the std "
+                                    f"of a group holding a single sequence is undefined), got 1; use "
+                                    f"advantage_std='none' or larger groups")
         if num_sequences % size:
             raise LossContractError(f"samples_per_prompt: expected a divisor of the number of sequences "
                                     f"{num_sequences}, got {size}")
@@ -348,7 +379,6 @@ def check_groups(num_sequences: int, samples_per_prompt: Any, group_boundaries: 
                                     f"of sequences {num_sequences}, got {bounds}")
         if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
             raise LossContractError(f"group_boundaries: expected strictly increasing offsets, got {bounds}")
-    std = check_enum(AdvantageStd, "advantage_std", advantage_std)
     if std is not AdvantageStd.NONE:
         singles = [g for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b - a == 1]
         if singles:
@@ -363,9 +393,12 @@ def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> flo
         if constant is None:
             raise LossContractError("normalizer_constant: expected a positive float with normalizer='fixed_constant', "
                                     "got None")
-        value = check_float("normalizer_constant", constant, minimum=0.0)
+        value = check_fp32("normalizer_constant", constant, minimum=0.0)
         if value == 0.0:
             raise LossContractError("normalizer_constant: expected a positive float, got 0.0")
+        if to_fp32(value) < FP32_TINY:  # the loss divides by it; devices that flush subnormals would disagree
+            raise LossContractError(f"normalizer_constant: expected a normal float32 (>= 2**-126 = {FP32_TINY!r}), "
+                                    f"got {value!r}, which is {to_fp32(value)!r} in float32")
         return value
     if constant is not None:
         raise LossContractError(f"normalizer_constant: only used with normalizer='fixed_constant', got {constant!r} "
@@ -373,29 +406,78 @@ def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> flo
     return None
 
 
+def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: Any, normalizer_constant: Any,
+                  advantage_std: Any) -> dict[str, Any]:
+    """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
+    name (`clip_eps_high=None` becomes `clip_eps`). Every float must be finite once rounded to float32, the
+    precision every backend computes in; the normalizer constant must be a normal float32."""
+    clip_eps = check_fp32("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
+    clip_eps_high = check_fp32("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
+    beta = check_fp32("beta", beta, minimum=0.0)
+    normalizer = check_enum(TokenNormalizer, "normalizer", normalizer)
+    advantage_std = check_enum(AdvantageStd, "advantage_std", advantage_std)
+    return dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
+                normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),
+                advantage_std=advantage_std)
+
+
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SHOWN = 8  # how many bad positions an error lists
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "None"
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_tensor(name: str, value: Any, *, optional: bool = False) -> None:
+    """`value` must be a `torch.Tensor` with data (None too when `optional`); checked before anything reads it."""
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.Tensor):
+        hint = "; convert it with torch.from_numpy(...)" if type(value).__module__ == "numpy" else ""
+        raise LossContractError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got "
+                                f"{_type_name(value)}{hint}")
+    if value.device.type == "meta":
+        raise LossContractError(f"{name}: expected a tensor with data (on the CPU or a GPU), got a meta-device "
+                                f"tensor of shape {list(value.shape)}")
+
+
+def _tokens(bad: torch.Tensor) -> str:
+    """The first few `(b, t)` positions where `bad` `[B, T]` is set, and how many there are in all."""
+    where = torch.nonzero(bad)
+    shown = [tuple(p) for p in where[:_SHOWN].tolist()]
+    return f"{shown}" + (f" ({where.shape[0]} in all)" if where.shape[0] > _SHOWN else "")
 
 
 def _shape(name: str, t: Any, expected: tuple[int, ...], what: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise LossContractError(f"{name}: expected a tensor {what}, got {type(t).__name__}")
     if tuple(t.shape) != expected:
         raise LossContractError(f"{name}: expected shape {what} = {list(expected)}, got {list(t.shape)}")
 
 
 def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps: Any, rewards: Any,
                  completion_mask: Any, *, beta: float, vocab_size: int | None = None,
-                 num_rewards: int | None = None, values: bool = True) -> torch.Tensor:
+                 num_rewards: int | None = None, values: bool = True, rewards_required: bool = False
+                 ) -> torch.Tensor:
     """Checks the loss inputs against each other and returns the completion mask as bool `[B, T]`.
 
-    `policy_logits` is `[B, T, V_local]`; `vocab_size` is the global vocabulary that `action_ids` index
-    (default: `V_local`). `num_rewards` defaults to `B`; `rewards=None` skips them. Ids are checked at active
-    tokens only: masked positions may hold padding ids. `values=False` checks shapes, dtypes and devices only
-    (no device sync): the caller then owes `check_inputs(..., values=True)` when its kernels flag bad values.
+    Types first: every argument must be a tensor with data (`ref_logits` may be None; `rewards` too, for the
+    ratio / KL op, unless `rewards_required`, which the loss ops set). `policy_logits` is `[B, T, V_local]`;
+    `vocab_size` is the global vocabulary that `action_ids` index (default: `V_local`). `num_rewards` defaults
+    to `B`. Values: rewards must be finite once cast to float32 (the loss's precision), ids in range and
+    `old_logps` finite (in float32) at active tokens; masked positions may hold anything (padding ids, NaN).
+    `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes
+    `check_inputs(..., values=True)` when its kernels flag bad values.
     """
-    if not isinstance(policy_logits, torch.Tensor) or policy_logits.dim() != 3:
-        got = list(policy_logits.shape) if isinstance(policy_logits, torch.Tensor) else type(policy_logits).__name__
-        raise LossContractError(f"policy_logits: expected a 3-D tensor [B, T, V], got {got}")
+    for name, t, optional in (("policy_logits", policy_logits, False), ("ref_logits", ref_logits, True),
+                              ("action_ids", action_ids, False), ("old_logps", old_logps, False),
+                              ("rewards", rewards, not rewards_required),
+                              ("completion_mask", completion_mask, False)):
+        check_tensor(name, t, optional=optional)
+    if policy_logits.dim() != 3:
+        raise LossContractError(f"policy_logits: expected a 3-D tensor [B, T, V], got {list(policy_logits.shape)}")
     B, T, V = policy_logits.shape
     vocab_size = V if vocab_size is None else vocab_size
     for name, t in (("policy_logits", policy_logits), ("ref_logits", ref_logits)):
@@ -407,10 +489,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
                                     f"model's logits or set beta=0")
     else:
         _shape("ref_logits", ref_logits, (B, T, V), "[B, T, V] like policy_logits")
-    if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2:
-        got = (list(completion_mask.shape) if isinstance(completion_mask, torch.Tensor)
-               else type(completion_mask).__name__)
-        raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {got}")
+    if completion_mask.dim() != 2:
+        raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {list(completion_mask.shape)}")
     _shape("completion_mask", completion_mask, (B, T), "[B, T]")
     _shape("action_ids", action_ids, (B, T), "[B, T]")
     _shape("old_logps", old_logps, (B, T), "[B, T]")
@@ -418,9 +498,6 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         _shape("rewards", rewards, (B if num_rewards is None else num_rewards,), "[B]")
         if not (rewards.is_floating_point() or rewards.dtype in (torch.int64, torch.int32)):
             raise LossContractError(f"rewards: expected a floating or integer dtype, got {rewards.dtype}")
-        if values and not bool(torch.isfinite(rewards).all()):
-            bad = torch.nonzero(~torch.isfinite(rewards)).flatten()[:8].tolist()
-            raise LossContractError(f"rewards: expected finite values, got non-finite at sequences {bad}")
     if action_ids.dtype not in (torch.int64, torch.int32):
         raise LossContractError(f"action_ids: expected dtype int64 or int32, got {action_ids.dtype}")
     if not old_logps.is_floating_point():
@@ -430,6 +507,13 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         if t is not None and t.device != policy_logits.device:
             raise LossContractError(f"{name}: expected device {policy_logits.device} like policy_logits, "
                                     f"got {t.device}")
+    if rewards is not None and values:
+        finite = torch.isfinite(rewards.to(torch.float32))  # after the cast: 1e300 in float64 is inf in float32
+        if not bool(finite.all()):
+            bad = torch.nonzero(~finite).flatten()[:_SHOWN].tolist()
+            raise LossContractError(f"rewards: expected finite values, got non-finite at sequences {bad} (checked "
+                                    f"in float32, the precision the loss computes in: got "
+                                    f"{rewards[bad].tolist()} as {rewards.dtype})")
     if completion_mask.dtype == torch.bool:
         mask = completion_mask
     else:
@@ -442,9 +526,35 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     active_ids = action_ids[mask]
     out_of_range = (active_ids < 0) | (active_ids >= vocab_size)
     if bool(out_of_range.any()):
-        bad = active_ids[out_of_range][:8].tolist()
+        bad = active_ids[out_of_range][:_SHOWN].tolist()
         raise LossContractError(f"action_ids: expected ids in [0, {vocab_size}) at active tokens, got {bad}")
+    bad_old = mask & ~torch.isfinite(old_logps.to(torch.float32))
+    if bool(bad_old.any()):
+        raise LossContractError(f"old_logps: expected finite values at active tokens, got non-finite at (b, t) "
+                                f"{_tokens(bad_old)}")
     return mask
+
+
+def check_logprobs(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torch.Tensor) -> None:
+    """Every backend's check of its selected log-probs (fp32 `[B, T]` each, `logp_ref` None without a
+    reference; `mask` bool `[B, T]`): at active tokens they must be finite, else the same `LossContractError`
+    on every backend, naming `policy_logits` (checked first) or `ref_logits` and the `(b, t)` tokens.
+
+    NaN means the token's row holds a NaN or +inf logit (or no finite logit at all); -inf means the action's
+    probability is 0 (its logit is -inf, or so far below the row's others that its probability underflows).
+    -inf logits elsewhere in a row are legal (vocabulary masking) and give finite log-probabilities."""
+    for name, lp in (("policy_logits", logp), ("ref_logits", logp_ref)):
+        if lp is None:
+            continue
+        nan, neg = mask & ~torch.isfinite(lp) & (lp != -math.inf), mask & (lp == -math.inf)
+        if bool((nan | neg).any()):
+            causes = []
+            if bool(nan.any()):
+                causes.append(f"NaN at (b, t) {_tokens(nan)}: the row holds a NaN or +inf logit (or no finite one)")
+            if bool(neg.any()):
+                causes.append(f"-inf at (b, t) {_tokens(neg)}: the action's logit is -inf (probability 0)")
+            raise LossContractError(f"{name}: expected finite log-probabilities at active tokens, got "
+                                    + "; ".join(causes))
 
 
 @dataclass(frozen=True)
@@ -465,15 +575,12 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                  samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
                  values: bool = True) -> LossOptions:
     """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
-    clip_eps = check_float("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
-    clip_eps_high = check_float("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
-    beta = check_float("beta", beta, minimum=0.0)
-    normalizer = check_enum(TokenNormalizer, "normalizer", normalizer)
-    std = check_enum(AdvantageStd, "advantage_std", advantage_std)
-    constant = check_normalizer_constant(normalizer, normalizer_constant)
-    mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta,
-                        values=values)
+    o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
+                      normalizer_constant=normalizer_constant, advantage_std=advantage_std)
+    mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
+                        values=values, rewards_required=True)
     if policy_logits.shape[0] == 0:
         raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")
-    groups = check_groups(policy_logits.shape[0], samples_per_prompt, group_boundaries, std)
-    return LossOptions(mask, clip_eps, clip_eps_high, beta, groups, std, normalizer, constant)
+    groups = check_groups(policy_logits.shape[0], samples_per_prompt, group_boundaries, o["advantage_std"])
+    return LossOptions(mask, o["clip_eps"], o["clip_eps_high"], o["beta"], groups, o["advantage_std"],
+                       o["normalizer"], o["normalizer_constant"])

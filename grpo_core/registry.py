@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from .contract import GRPOLossContract, LossContractError
 
 __all__ = ["BackendUnavailableError", "DispatchedLossOp", "KernelRegistry", "kernel_registry"]
@@ -148,12 +150,17 @@ def _lazy(module: str, attr: str) -> Callable[[], Any]:
 
 
 def _triton_reasons(args: tuple, kwargs: dict, explicit: bool) -> list[str]:
-    """Triton serves CUDA tensors; an explicit request may also run CPU tensors under TRITON_INTERPRET=1."""
+    """Triton serves CUDA tensors; an explicit request may also run CPU tensors under TRITON_INTERPRET=1.
+
+    Reads nothing but the type and device of `policy_logits`: whatever else is wrong with the inputs is the
+    chosen op's `LossContractError` (the same from every backend), never an error of the dispatch."""
     if importlib.util.find_spec("triton") is None:
         return ["triton is not installed"]
     logits = args[0] if args else kwargs.get("policy_logits")
-    device = getattr(logits, "device", None)
-    if device is not None and device.type == "cuda":
+    if not isinstance(logits, torch.Tensor):  # explicit: the op itself raises the LossContractError
+        return [] if explicit else [f"policy_logits is a {type(logits).__name__}, not a torch.Tensor"]
+    device = logits.device
+    if device.type == "cuda":
         return []
     if explicit and os.environ.get("TRITON_INTERPRET") == "1":
         return []

@@ -340,3 +340,83 @@ def test_group_passed_without_initialized_world_fails_clearly():
     case = CASES[0]
     with pytest.raises(LossContractError, match="dp_group: the contract has dp_world_size=2 but no dp_group"):
         run_local(case_inputs(case), contract_for(case, Layout(1, 2)), "cpu")
+
+
+# Issue 12: the distributed backend raises the very message the native op raises (in a single process, where no
+# rank prefix is added), and sends no gradient into old_logps / rewards / ref logits.
+
+def _native_and_distributed_errors(bad: dict) -> tuple[str, str]:
+    case = CASES[1]  # beta = 0.04: ref logits present
+    inp = {**case_inputs(case), **bad}
+    out = []
+    with pytest.raises(LossContractError) as exc:
+        kernel_registry.get_op("grpo_loss", backend="native")(**inp, beta=case["beta"], **GROUPINGS[case["grouping"]])
+    out.append(str(exc.value))
+    with pytest.raises(LossContractError) as exc:
+        OP.apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"],
+                 contract=contract_for(case, Layout(1, 1)), completion_mask=inp["completion_mask"],
+                 ref_local_logits=inp["ref_logits"])
+    out.append(str(exc.value))
+    return out[0], out[1]
+
+
+def _with(name: str, index: tuple, value: float) -> dict:
+    t = case_inputs(CASES[1])[name].clone()
+    t[index] = value
+    return {name: t}
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda: {"ref_logits": [[0.0]]}, id="ref-list"),
+    pytest.param(lambda: {"rewards": None}, id="rewards-none"),
+    pytest.param(lambda: {"rewards": case_inputs(CASES[1])["rewards"].numpy()}, id="rewards-numpy"),
+    pytest.param(lambda: {"old_logps": case_inputs(CASES[1])["old_logps"].to("meta")}, id="old-meta"),
+    pytest.param(lambda: {"rewards": case_inputs(CASES[1])["rewards"].double().index_fill(0, torch.tensor([3]),
+                                                                                        1e300)}, id="rewards-1e300"),
+    pytest.param(lambda: _with("old_logps", (1, 0), float("nan")), id="old-nan"),
+    pytest.param(lambda: _with("policy_logits", (6, 0, 5), float("nan")), id="policy-nan"),
+    pytest.param(lambda: _with("ref_logits", (4, 0, 7), float("inf")), id="ref-inf"),
+    pytest.param(lambda: _with("policy_logits", (3, 0, int(case_inputs(CASES[1])["action_ids"][3, 0])), float("-inf")),
+                 id="policy-minus-inf-at-action"),
+])
+def test_single_process_errors_match_native_word_for_word(bad):
+    native_msg, distributed_msg = _native_and_distributed_errors(bad())
+    assert native_msg == distributed_msg
+
+
+def test_non_contract_raises_a_contract_error():
+    inp = case_inputs(CASES[0])
+    with pytest.raises(LossContractError, match="^contract: expected a GRPOLossContract, got dict$"):
+        OP.apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"], contract={},
+                 completion_mask=inp["completion_mask"])
+
+
+def test_only_policy_logits_get_a_gradient_on_the_distributed_path():
+    case = CASES[1]
+    inp = case_inputs(case)
+    old, rewards = inp["old_logps"].clone().requires_grad_(True), inp["rewards"].clone().requires_grad_(True)
+    ref = inp["ref_logits"].clone().requires_grad_(True)
+    res = OP.apply(inp["policy_logits"], inp["action_ids"], old, rewards, contract=contract_for(case, Layout(1, 1)),
+                   completion_mask=inp["completion_mask"], ref_local_logits=ref)
+    assert not res.loss.requires_grad  # policy logits without grad: nothing to differentiate
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    res = OP.apply(x, inp["action_ids"], old, rewards, contract=contract_for(case, Layout(1, 1)),
+                   completion_mask=inp["completion_mask"], ref_local_logits=ref)
+    res.loss.backward()
+    assert x.grad is not None and (old.grad, rewards.grad, ref.grad) == (None, None, None)
+
+
+def test_preflight_comparison_is_symmetric_and_names_both_ranks():
+    from grpo_core.distributed.preflight import _compare
+    base = {"axis": "tp", "nonce": 3, "backend": "distributed/2", "fingerprint": "f", "fields": {"beta": "x"},
+            "groups": {"tp_group": 2, "dp_group": None}, "replicated": "d",
+            "tensors": {"policy_local_logits": ["float32", "cpu", [4, 8, 512]], "rewards": ["float32", "cpu", [4]]}}
+    a = {**base, "global_rank": 0, "axis_ranks": {"tp": 0, "dp": 0}}
+    b = {**base, "global_rank": 1, "axis_ranks": {"tp": 1, "dp": 0}, "nonce": 4, "backend": "other",
+         "tensors": {"policy_local_logits": ["float32", "cuda", [4, 8, 488]], "rewards": ["float64", "cpu", [4]]}}
+    ab, ba = _compare(a, b, "tp"), _compare(b, a, "tp")
+    assert ab == ba and len(ab) == 4, ab  # sequence, backend, device (the vocab dim is TP's: ignored), dtype
+    assert all(m.startswith("ranks 0 and 1 (tp ranks 0 and 1): preflight: ") for m in ab)
+    assert not any("here" in m or "this rank" in m for m in ab)
+    assert "'cpu', [4, 8, '*']] on rank 0, ['float32', 'cuda', [4, 8, '*']] on rank 1" in ab[2]
+    assert _compare(a, {**a, "global_rank": 2, "axis_ranks": {"tp": 0, "dp": 1}}, "tp") == []

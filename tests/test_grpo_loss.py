@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_bitwise_equal, assert_close_verbose, make_inputs
-from grpo_core import BackendUnavailableError, LossContractError, kernel_registry
+from grpo_core import BackendUnavailableError, GRPOLossContract, LossContractError, kernel_registry
+from grpo_core.native import NativeGRPOLossOp
 
 native = kernel_registry.get_op("grpo_loss", backend="native")
 
@@ -243,7 +244,7 @@ def test_get_loss_op_reports_rejections():
     (dict(samples_per_prompt=None, group_boundaries=[0, 3, 2, 4]), "group_boundaries: expected strictly"),
     (dict(samples_per_prompt=None, group_boundaries=[0, 2, 3]), "group_boundaries: expected CSR offsets"),
     (dict(samples_per_prompt=None, group_boundaries=[0, 1, 4]), "hold a single sequence"),
-    (dict(samples_per_prompt=1), "hold a single sequence"),
+    (dict(samples_per_prompt=1), "samples_per_prompt: expected >= 2 under advantage_std='population'"),
     (dict(clip_eps=1.5), "clip_eps: expected a finite float"),
     (dict(beta=-0.1), "beta: expected a finite float"),
     (dict(normalizer="sum"), "normalizer: expected one of"),
@@ -287,3 +288,156 @@ def test_property_native_matches_oracle(data):
     assert math.isfinite(loss.item())
     assert_close_verbose(loss, exp[0], atol=1e-5, rtol=1e-4, what="loss")
     assert_close_verbose(x.grad, exp[3], atol=1e-6, rtol=1e-4, what="grad")
+
+
+# Issue 12, "no silent wrong answers": every bad input is a LossContractError naming the argument, the same words
+# from every path (plain call, automatic choice, contract path); masked tokens may hold anything.
+
+def _call_every_path(inp: dict, match: str, **options) -> str:
+    """Calls the native op, the automatic choice and the native contract path; each must raise `match`; returns
+    the message, which must be the same from all three."""
+    messages = []
+    for op in (native, kernel_registry.get_op("grpo_loss")):
+        with pytest.raises(LossContractError, match=match) as exc:
+            op(**inp, samples_per_prompt=2, **options)
+        messages.append(str(exc.value))
+    with pytest.raises(LossContractError, match=match) as exc:  # a bad option fails in the contract itself
+        contract = GRPOLossContract(num_sequences=4, padded_seq_len=3, vocab_size=11, samples_per_prompt=2,
+                                    **options)
+        NativeGRPOLossOp().apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"],
+                                 contract=contract, completion_mask=inp["completion_mask"],
+                                 ref_local_logits=inp["ref_logits"])
+    messages.append(str(exc.value))
+    assert len(set(messages)) == 1, messages
+    return messages[0]
+
+
+TENSOR_ARGS = ["policy_logits", "ref_logits", "action_ids", "old_logps", "rewards", "completion_mask"]
+
+
+@pytest.mark.parametrize("name", TENSOR_ARGS)
+@pytest.mark.parametrize("kind", ["numpy", "list", "meta"])
+def test_wrong_types_raise_naming_the_argument(name, kind):
+    inp = make_inputs(4, 3, 11, seed=0)
+    value = {"numpy": lambda t: t.numpy(), "list": lambda t: t.tolist(), "meta": lambda t: t.to("meta")}[kind](
+        inp[name])
+    got = {"numpy": "got numpy.ndarray; convert it with torch.from_numpy", "list": "got list",
+           "meta": "expected a tensor with data .* got a meta-device tensor"}[kind]
+    optional = " or None" if name == "ref_logits" and kind != "meta" else ""
+    expected = f"expected a torch.Tensor{optional}, " if kind != "meta" else ""
+    _call_every_path({**inp, name: value}, f"^{name}: {expected}{got}")
+
+
+def test_rewards_none_and_explicit_triton_raise_the_same_error():
+    inp = make_inputs(4, 3, 11, seed=0)
+    msg = _call_every_path({**inp, "rewards": None}, "^rewards: expected a torch.Tensor, got None$")
+    pytest.importorskip("triton")
+    triton = kernel_registry.get_op("grpo_loss", backend="triton")  # the shared checks run before any kernel
+    inp = {k: v.to("cuda" if torch.cuda.is_available() else "cpu") for k, v in inp.items()}  # CPU: interpreter
+    for bad, want in (({"rewards": None}, msg), ({"policy_logits": inp["policy_logits"].cpu().numpy()},
+                                                 "policy_logits: expected a torch.Tensor, got numpy.ndarray")):
+        with pytest.raises(LossContractError, match=want):
+            triton(**{**inp, **bad}, samples_per_prompt=2)
+
+
+@pytest.mark.parametrize("option,value,match", [
+    ("beta", 1e39, "beta: expected a float that is finite in float32 .* got 1e\\+39"),
+    ("clip_eps_high", 1e39, "clip_eps_high: expected a float that is finite in float32"),
+    ("normalizer_constant", 1e39, "normalizer_constant: expected a float that is finite in float32"),
+    ("normalizer_constant", 1e-46, "normalizer_constant: expected a normal float32 .* got 1e-46, which is 0.0"),
+    ("normalizer_constant", 1e-40, "normalizer_constant: expected a normal float32 .* got 1e-40"),  # subnormal
+])
+def test_options_that_overflow_float32_raise_naming_the_option(option, value, match):
+    inp = make_inputs(4, 3, 11, seed=0)
+    fixed = {"normalizer": "fixed_constant"} if option == "normalizer_constant" else {}
+    _call_every_path(inp, match, **fixed, **{option: value})
+
+
+def test_options_at_the_float32_limits_are_accepted():
+    inp = make_inputs(4, 3, 11, seed=0)
+    top, tiny = float.fromhex("0x1.fffffep+127"), float.fromhex("0x1p-126")
+    native(**inp, samples_per_prompt=2, clip_eps_high=top)
+    loss, _, _ = native(**inp, samples_per_prompt=2, normalizer="fixed_constant", normalizer_constant=tiny)
+    assert loss.dtype == torch.float32
+
+
+def test_rewards_are_checked_after_the_cast_to_float32():
+    inp = make_inputs(4, 3, 11, seed=0)
+    rewards = inp["rewards"].double()
+    rewards[2] = 1e300  # finite in float64, inf in float32
+    _call_every_path({**inp, "rewards": rewards}, r"^rewards: expected finite values, got non-finite at sequences "
+                                                  r"\[2\] \(checked in float32")
+    ints = torch.tensor([3, -2, 7, 1])  # integer rewards stay legal
+    native(**{**inp, "rewards": ints}, samples_per_prompt=2)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e300])
+def test_old_logps_must_be_finite_at_active_tokens(value):
+    inp = make_inputs(4, 3, 11, seed=0)
+    mask = inp["completion_mask"]
+    mask[1, 2], mask[3, 1] = True, False
+    old = inp["old_logps"].double()
+    old[1, 2] = value  # 1e300 is finite in float64 but inf in float32, the loss's precision
+    _call_every_path({**inp, "old_logps": old},
+                     r"^old_logps: expected finite values at active tokens, got non-finite at \(b, t\) \[\(1, 2\)\]$")
+    old = inp["old_logps"].double()
+    want = native(**inp, samples_per_prompt=2)
+    old[3, 1] = value  # masked: never read
+    got = native(**{**inp, "old_logps": old}, samples_per_prompt=2)
+    for a, b, what in zip(got, want, ("loss", "policy_loss", "kl")):
+        assert_bitwise_equal(a, b, what)
+
+
+@pytest.mark.parametrize("which", ["policy_logits", "ref_logits"])
+@pytest.mark.parametrize("value,cause", [
+    (float("nan"), r"NaN at \(b, t\) \[\(1, 2\)\]: the row holds a NaN or \+inf logit"),
+    (float("inf"), r"NaN at \(b, t\) \[\(1, 2\)\]: the row holds a NaN or \+inf logit"),
+    ("-inf at the action", r"-inf at \(b, t\) \[\(1, 2\)\]: the action's logit is -inf \(probability 0\)"),
+])
+def test_non_finite_logprobs_at_active_tokens_raise(which, value, cause):
+    inp = make_inputs(4, 3, 11, seed=0)
+    inp["completion_mask"][1, 2] = True
+    logits = inp[which].clone()
+    action = int(inp["action_ids"][1, 2])
+    if value == "-inf at the action":
+        logits[1, 2, action] = float("-inf")
+    else:
+        logits[1, 2, (action + 3) % 11] = value
+    _call_every_path({**inp, which: logits},
+                     f"^{which}: expected finite log-probabilities at active tokens, got {cause}")
+    with pytest.raises(LossContractError, match=f"^{which}: expected finite log-probabilities"):
+        kernel_registry.get_op("ratio_kl", backend="native")(*(logits if n == which else inp[n] for n in (
+            "policy_logits", "ref_logits", "action_ids", "completion_mask", "old_logps")))
+
+
+def test_minus_inf_logits_off_the_action_are_vocabulary_masking():
+    inp = make_inputs(4, 3, 11, seed=0)
+    banned = (inp["action_ids"].unsqueeze(-1) + 1 + torch.arange(3)) % 11  # three columns off each action
+    results = []
+    for fill in (float("-inf"), -1e4):  # exp(-1e4 - max) is 0.0 in float32 too: the same numbers
+        masked = {name: inp[name].scatter(-1, banned, fill) for name in ("policy_logits", "ref_logits")}
+        x = masked["policy_logits"].clone().requires_grad_(True)
+        loss, pol, kl = native(**{**inp, **masked, "policy_logits": x}, samples_per_prompt=2)
+        loss.backward()
+        results.append((loss, pol, kl, x.grad))
+    loss, pol, kl, grad = results[0]
+    assert all(math.isfinite(v.item()) for v in (loss, pol, kl)) and bool(torch.isfinite(grad).all())
+    assert bool((grad.gather(-1, banned) == 0).all())  # probability 0: no gradient
+    for a, b, what in zip(results[0], results[1], ("loss", "policy_loss", "kl", "grad")):
+        assert_bitwise_equal(a, b, what)
+
+
+def test_only_policy_logits_get_a_gradient():
+    inp = make_inputs(4, 3, 11, seed=0)
+    leaves = {k: inp[k].clone().requires_grad_(True) for k in ("policy_logits", "ref_logits", "old_logps", "rewards")}
+    loss, _, _ = native(**{**inp, **leaves}, samples_per_prompt=2)
+    loss.backward()
+    assert leaves["policy_logits"].grad is not None
+    assert {k: v.grad for k, v in leaves.items() if k != "policy_logits"} == dict.fromkeys(
+        ("ref_logits", "old_logps", "rewards"))
+    frozen = {k: v for k, v in leaves.items() if k != "policy_logits"}
+    loss, _, _ = native(**{**inp, **frozen}, samples_per_prompt=2)  # policy without grad: no graph at all
+    assert not loss.requires_grad
+    ratio, kl = kernel_registry.get_op("ratio_kl", backend="native")(
+        inp["policy_logits"], frozen["ref_logits"], inp["action_ids"], inp["completion_mask"], frozen["old_logps"])
+    assert not ratio.requires_grad and not kl.requires_grad

@@ -51,7 +51,16 @@ def test_defaults_and_string_enums():
     (dict(samples_per_prompt=None, group_boundaries=(0, 4, 4, 8)), "strictly increasing"),
     (dict(samples_per_prompt=None, group_boundaries=(0, 7, 8)), "hold a single sequence"),
     (dict(samples_per_prompt=None, group_boundaries=(0, 7, 8), advantage_std="unbiased"), "single sequence"),
-    (dict(samples_per_prompt=1), "single sequence"),
+    (dict(samples_per_prompt=1), "samples_per_prompt: expected >= 2 under advantage_std='population' .*single "
+                                 "sequence"),
+    (dict(samples_per_prompt=1, advantage_std="unbiased"), "samples_per_prompt: expected >= 2 under "
+                                                           "advantage_std='unbiased'"),
+    (dict(beta=1e39), "beta: expected a float that is finite in float32"),
+    (dict(clip_eps_high=1e39), "clip_eps_high: expected a float that is finite in float32"),
+    (dict(normalizer="fixed_constant", normalizer_constant=1e39), "normalizer_constant: expected a float that is "
+                                                                  "finite in float32"),
+    (dict(normalizer="fixed_constant", normalizer_constant=1e-46), "normalizer_constant: expected a normal float32"),
+    (dict(normalizer="fixed_constant", normalizer_constant=1e-39), "normalizer_constant: expected a normal float32"),
     (dict(normalizer="mean"), "normalizer: expected one of"),
     (dict(normalizer=TokenNormalizer.FIXED_CONSTANT), "normalizer_constant: expected a positive float"),
     (dict(normalizer=TokenNormalizer.FIXED_CONSTANT, normalizer_constant=0.0), "normalizer_constant: expected a pos"),
@@ -67,6 +76,13 @@ def test_defaults_and_string_enums():
 def test_loud_failures(over, match):
     with pytest.raises(LossContractError, match=match):
         make(**over)
+
+
+def test_float_options_at_the_float32_limits_are_kept_unrounded():
+    top = float.fromhex("0x1.fffffep+127")  # the largest float32; anything that rounds to it is fine too
+    c = make(beta=top, clip_eps_high=3.4028235e38, normalizer="fixed_constant", normalizer_constant=2.0 ** -126)
+    assert (c.beta, c.clip_eps_high, c.normalizer_constant) == (top, 3.4028235e38, 2.0 ** -126)
+    assert make(beta=0.1).beta == 0.1  # the fingerprint sees the float given, not its float32 rounding
 
 
 def test_singleton_groups_are_fine_without_std():

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .. import canonical
 from ..contract import GRPOLossContract, LossContractError, check_inputs
 from ..result import GRPOLossResult, provenance
-from .preflight import preflight, replicated_digest
+from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
 
 BACKEND_ID = "distributed/2"
@@ -62,7 +62,9 @@ class DistributedGRPOLossOp:
     Local tensors: `policy_local_logits` / `ref_local_logits` `[n_local, padded_seq_len, local_vocab]` (this rank's
     sequences and vocab shard), `action_ids` (global ids), `old_logps`, `completion_mask` `[n_local,
     padded_seq_len]`, `rewards` `[n_local]`. The result's scalars and per-sequence vectors cover the whole batch
-    and are identical on every rank; the gradient flows into this rank's shard.
+    and are identical on every rank; the gradient flows into this rank's shard of the policy logits only (never
+    into `old_logps`, `rewards` or the reference logits). Every bad input, on any rank, raises the same
+    `LossContractError` on every rank (`preflight.py` says what can and cannot be guaranteed).
 
     `kernels`: "triton" (the fused kernels of `triton/canonical.py`), "torch" (the reference: torch ops, any device)
     or "auto" (Triton for CUDA tensors when Triton imports, else torch). Both give the same bits.
@@ -102,31 +104,38 @@ class DistributedGRPOLossOp:
               rewards: torch.Tensor, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None
               ) -> GRPOLossResult:
-        if not isinstance(contract, GRPOLossContract):
-            raise LossContractError(f"contract: expected a GRPOLossContract, got {type(contract).__name__}")
-        s = contract.sharding
-        (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
-        n_local, T = seq_hi - seq_lo, contract.padded_seq_len
+        tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
+                   "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards,
+                   "completion_mask": completion_mask}
 
-        def local_checks() -> torch.Tensor:
-            expected = (n_local, T, v_hi - v_lo)
-            if isinstance(policy_local_logits, torch.Tensor) and tuple(policy_local_logits.shape) != expected:
+        def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
+            s = contract.sharding
+            (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
+            check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
+                         beta=contract.beta, values=False, rewards_required=True)  # types before the shape
+            expected = (seq_hi - seq_lo, contract.padded_seq_len, v_hi - v_lo)
+            if tuple(policy_local_logits.shape) != expected:
                 raise LossContractError(
                     f"policy_local_logits: expected [owned sequences, padded_seq_len, local vocab] = {list(expected)}"
                     f" from the contract (sequences {seq_lo}:{seq_hi}, vocab {v_lo}:{v_hi}), got "
                     f"{list(policy_local_logits.shape)}")
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                                beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=n_local)
+                                beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
+                                rewards_required=True)
 
-        mask = preflight(contract, BACKEND_ID, local_checks, tp_group, dp_group,
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks,
                          lambda: replicated_digest(completion_mask, torch.where(completion_mask.bool(), action_ids, 0),
-                                                   torch.where(completion_mask.bool(), old_logps, 0), rewards))
+                                                   torch.where(completion_mask.bool(), old_logps, 0), rewards),
+                         tp_group, dp_group)
+        s = contract.sharding
+        (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
+        n_local, T = seq_hi - seq_lo, contract.padded_seq_len
         lp = contract.logprob_contract
         x = policy_local_logits.detach()
         ref = None if ref_local_logits is None else ref_local_logits.detach()
-        old = old_logps.to(torch.float32)
-        advantages = canonical.group_advantages(gather_sequences(rewards.to(torch.float32), contract, dp_group),
-                                                contract.groups, contract.advantage_std)
+        old = old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
+        rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
+        advantages = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
         adv = advantages[seq_lo:seq_hi]
         triton_runs = self._triton_runs(x, lp.tile_width)
         clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
@@ -156,11 +165,8 @@ class DistributedGRPOLossOp:
             bad = bad.view(n_local, T).sum(-1)
         counts_bad = gather_sequences(torch.stack([mask.sum(-1), bad], -1), contract, dp_group)
         counts = counts_bad[:, 0]
-        if bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together
-            seqs = counts_bad[:, 1].nonzero().flatten()[:8].tolist()
-            raise LossContractError(
-                f"policy_logits / ref_logits: non-finite log-probabilities at active tokens of sequences {seqs}: "
-                f"a row holds a NaN or +inf logit, or the action's logit is -inf (probability 0)")
+        if bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together, same words
+            check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
         per_seq_policy = gather_sequences(local_policy, contract, dp_group)
         per_seq_kl = gather_sequences(local_kl, contract, dp_group)
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,

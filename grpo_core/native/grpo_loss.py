@@ -3,6 +3,10 @@
 The advantages, the per-sequence token sums and the normalizers are the canonical ones (fixed pairwise trees,
 portable bits); the log-softmax and the exp of the ratio and the KL are torch's own, so this op agrees with the
 deterministic path to fp32 rounding, not to the bit.
+
+Only `policy_logits` receives a gradient: `ref_logits`, `old_logps` and `rewards` are detached, whatever their
+`requires_grad`, as on every backend. A non-finite selected log-probability at an active token raises
+(`contract.check_logprobs`), as on every backend.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 
 from .. import canonical
 from ..contract import (AdvantageStd, DeterminismScope, GRPOLossContract, LossContractError, TokenNormalizer,
-                        check_inputs, loss_options)
+                        check_inputs, check_logprobs, loss_options)
 from ..result import GRPOLossResult, provenance
 from .ratio_kl import selected_logprobs
 
@@ -21,7 +25,7 @@ from .ratio_kl import selected_logprobs
 class NativeGRPOLossOp:
     """The reference op: `loss, policy_loss, kl = op(policy_logits, ref_logits, action_ids, old_logps, rewards,
     completion_mask, clip_eps=0.2, beta=0.04, samples_per_prompt=8)`; `op.apply(..., contract=...)` is the
-    contract path for a single process (TP = DP = 1)."""
+    contract path for a single process (TP = DP = 1). The gradient flows into `policy_logits` only."""
 
     backend = "native"
 
@@ -57,12 +61,14 @@ class NativeGRPOLossOp:
         reasons = self.supports(contract)
         if reasons:
             raise LossContractError("contract: the native op cannot serve it: " + "; ".join(reasons))
+        check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
+                     beta=contract.beta, values=False, rewards_required=True)  # types before the contract's shape
         expected = (contract.num_sequences, contract.padded_seq_len, contract.vocab_size)
-        if isinstance(policy_local_logits, torch.Tensor) and tuple(policy_local_logits.shape) != expected:
+        if tuple(policy_local_logits.shape) != expected:
             raise LossContractError(f"policy_local_logits: expected [num_sequences, padded_seq_len, vocab_size] = "
                                     f"{list(expected)} from the contract, got {list(policy_local_logits.shape)}")
         mask = check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                            beta=contract.beta)
+                            beta=contract.beta, rewards_required=True)
         return self._run(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, mask,
                          contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
                          contract.advantage_std, contract.normalizer, contract.normalizer_constant,
@@ -70,12 +76,14 @@ class NativeGRPOLossOp:
 
     def _run(self, policy_logits, ref_logits, action_ids, old_logps, rewards, mask, clip_eps, clip_eps_high, beta,
              groups, std, normalizer, constant, extra) -> GRPOLossResult:
+        old_logps, rewards = old_logps.detach(), rewards.detach()  # the gradient flows into policy_logits only
         advantages = canonical.group_advantages(rewards, groups, std)
         logp = selected_logprobs(policy_logits, action_ids, mask)
         logp_ref = None
         if ref_logits is not None:
             with torch.no_grad():
                 logp_ref = selected_logprobs(ref_logits, action_ids, mask)
+        check_logprobs(logp.detach(), logp_ref, mask)
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp)
         policy_tok = canonical.clipped_surrogate(ratio, advantages, mask,
                                                  *canonical.clip_bounds(clip_eps, clip_eps_high, logp))

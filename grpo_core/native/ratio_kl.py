@@ -1,7 +1,8 @@
 """Selected log-probs from torch's own log-softmax, and the ratio / k3 KL op built on them.
 
 Plain PyTorch in fp32 whatever the logits dtype. Only active rows are read: masked rows never touch the
-log-softmax, so whatever they hold (padding, inf, NaN) leaves the outputs and the gradient untouched.
+log-softmax, so whatever they hold (padding, inf, NaN) leaves the outputs and the gradient untouched. At active
+tokens, a non-finite selected log-probability raises (`contract.check_logprobs`), as in the loss.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import canonical
-from ..contract import check_inputs
+from ..contract import check_inputs, check_logprobs
 
 
 def selected_logprobs(logits: torch.Tensor, action_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -30,4 +31,5 @@ class NativeRatioKLOp:
         logp = selected_logprobs(policy_logits, action_ids, mask)
         with torch.no_grad():
             logp_ref = selected_logprobs(ref_logits, action_ids, mask)
-        return canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp)
+        check_logprobs(logp.detach(), logp_ref, mask)
+        return canonical.ratio_and_kl(logp, logp_ref, old_logps.detach(), mask, exp=torch.exp)
