@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, make_inputs
-from grpo_core import LossContractError, kernel_registry
+from grpo_core import LossContractError, kernel_registry, raise_pending
 from grpo_core.canonical import group_advantages as native_advantages
 from grpo_core.contract import AdvantageStd
 
@@ -222,17 +222,39 @@ def test_bad_values_raise_like_native(bad, match, single_pass):
     with pytest.raises(LossContractError, match=match):
         native(**call, samples_per_prompt=2)
     with pytest.raises(LossContractError, match=match):
+        triton(**call, samples_per_prompt=2, single_pass=single_pass, check_values="sync")
+    # Deferred (the default): on the GPU the call returns and the error, naming it, comes at the next call or at
+    # raise_pending(); on the CPU there is nothing to overlap with and it comes at once.
+    with pytest.raises(LossContractError, match=r"grpo_loss \(triton\) \(call #\d+, checked after it returned\): "
+                       + match):
         triton(**call, samples_per_prompt=2, single_pass=single_pass)
+        raise_pending()
+    raise_pending()  # nothing left
     if not HAS_CUDA:  # on the CPU the assert is synchronous; on CUDA it would end the process's CUDA context
-        with pytest.raises(RuntimeError, match="grpo_core: bad action_ids, rewards or completion_mask"):
-            triton(**call, samples_per_prompt=2, single_pass=single_pass, check_values=False)
+        with pytest.raises(RuntimeError, match="grpo_core: bad action_ids, rewards, old_logps"):
+            triton(**call, samples_per_prompt=2, single_pass=single_pass, check_values="assert")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: on the CPU the check is immediate")
+def test_deferred_check_raises_at_the_next_call_naming_the_bad_one():
+    inp = make_inputs(2, 3, 17, seed=1, device=DEV)
+    bad = {**inp, "old_logps": inp["old_logps"].clone()}
+    bad["old_logps"][0, 0] = float("nan")
+    triton(**bad, samples_per_prompt=2)  # returns: no device sync
+    bad["old_logps"].fill_(0.0)  # reusing the buffer cannot hide the bad value: the check reads a copy
+    with pytest.raises(LossContractError, match=r"\(call #(\d+), checked after it returned\): old_logps: expected "
+                                                r"finite values at active tokens"):
+        triton(**inp, samples_per_prompt=2)
+    raise_pending()  # the error cleared what was pending
+    triton(**inp, samples_per_prompt=2)  # and the next good call runs
 
 
 def test_unchecked_call_gives_the_checked_result():
     inp = make_inputs(4, 3, 50, seed=7, device=DEV)
     inp["completion_mask"] = inp["completion_mask"].to(torch.int32)
     want = run(triton, inp, samples_per_prompt=2)
-    got = run(triton, inp, samples_per_prompt=2, check_values=False)
+    got = run(triton, inp, samples_per_prompt=2, check_values="assert")
     for name, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, want):
         assert_bitwise_equal(a, b, name)
 

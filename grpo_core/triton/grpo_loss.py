@@ -15,9 +15,10 @@ vocabulary (benchmarks/README.md), so two-pass is the default. Memory: both hold
 peak; single pass allocates it in the forward. `inplace=True` (single pass, eager only) writes it into
 `policy_logits`' own storage, overwriting the logits.
 
-Bad values (ids outside `[0, V)` at active tokens, non-finite rewards, mask values other than 0 / 1) are flagged
-by the kernels and, with `check_values=True`, turned into the native op's `LossContractError` after one device
-sync; `check_values=False` trades that sync for a device-side assert.
+Bad values (ids outside `[0, V)`, non-finite old log-probs or log-probs at active tokens, non-finite rewards,
+mask values other than 0 / 1) are flagged by the kernels and turned into the native op's `LossContractError`
+without a device sync (`check_values="deferred"`, `pending.py`), after one (`"sync"`), or by a device-side
+assert (`"assert"`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from .. import pending
 from ..canonical import STD_FLOOR
 from ..contract import AdvantageStd, TokenNormalizer, loss_options
 from .group_norm import MODES, group_stats, group_tensors
@@ -277,11 +279,13 @@ class TritonGRPOLossOp:
     """Same call as the native op (`NativeGRPOLossOp.__call__`), plus `single_pass` (compute the gradient during
     the forward), `inplace` (implies single pass: the gradient overwrites `policy_logits`) and `check_values`.
 
-    `check_values=True` (default): one device sync per call; a bad id, reward or mask value raises the same
-    `LossContractError` as the native op. `check_values=False`: no sync (the host can run ahead of the GPU); a bad
-    value trips a device-side assert instead, which surfaces as a CUDA error at the next sync and leaves the CUDA
-    context unusable, like an out-of-range target in `torch.nn.functional.cross_entropy`. Either way the kernels
-    never read out of bounds and never use a bad value silently.
+    `check_values`: a bad id, mask value, reward or old log-prob, or a non-finite log-prob, raises the native
+    op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of the GPU); the
+    error, naming this call, is raised at the start of the next call of a grpo_core GPU op or by
+    `grpo_core.raise_pending()`, and this call's numbers must not be used. "sync": one device sync, raised by
+    this call. "assert": a device-side assert, which surfaces as a CUDA error at the next sync and leaves the
+    CUDA context unusable, like an out-of-range target in `torch.nn.functional.cross_entropy` (and the only
+    choice inside a compiled graph). The kernels never read out of bounds.
     """
 
     backend = "triton"
@@ -292,8 +296,10 @@ class TritonGRPOLossOp:
                  group_boundaries: Any = None, *, clip_eps_high: float | None = None,
                  normalizer: TokenNormalizer | str = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
                  normalizer_constant: float | None = None, advantage_std: AdvantageStd | str = AdvantageStd.POPULATION,
-                 single_pass: bool = False, inplace: bool = False, check_values: bool = True
+                 single_pass: bool = False, inplace: bool = False, check_values: str = "deferred"
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not torch.compiler.is_compiling():
+            pending.raise_pending()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, values=False)
@@ -314,8 +320,10 @@ class TritonGRPOLossOp:
             out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
         else:
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args)
-        check_values_after(flags[0], check_values, policy_logits, ref_logits, action_ids, old_logps, rewards,
-                           completion_mask, o.beta)
+        B, T = o.mask.shape
+        check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
+                           old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
+                           None if ref_logits is None else out[1].view(B, T))
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .. import canonical
-from ..contract import check_inputs
+from .. import canonical, pending
+from ..contract import LossContractError, check_inputs, check_logprobs
 from .launch import pick, twins
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
@@ -347,18 +347,37 @@ class _TokenLogprobs(torch.autograd.Function):
         return launch_grad(lambda k: k, policy, ids, mask, out, grad_out[0]), None, None, None
 
 
-def check_values_after(bad: torch.Tensor, check_values: bool, policy_logits, ref_logits, action_ids, old_logps,
-                       rewards, completion_mask, beta: float) -> None:
-    """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, reward or mask value is bad) into an error. With
-    `check_values`, one device sync, then the full checks for the precise `LossContractError`; without it (and
-    inside a compiled graph, where Python cannot branch on device data), a device-side assert, no sync. (The
-    kernels never read out of bounds: flagged tokens are skipped.)"""
-    if check_values and not torch.compiler.is_compiling():
-        if bool(bad):
-            check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=beta)
-    else:
-        torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards or completion_mask values (call with "
-                                      "check_values=True, the default, for the precise error)")
+CHECKS = ("deferred", "sync", "assert")
+
+
+def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_logits, ref_logits, action_ids,
+                       old_logps, rewards, completion_mask, beta: float, logp: torch.Tensor,
+                       logp_ref: torch.Tensor | None) -> None:
+    """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward or old log-prob is bad or a
+    log-prob is not finite) into the native op's `LossContractError`, by `check_values`:
+    "deferred" (default): no device sync here; the error surfaces at the next call of an op that defers its checks,
+    or at `grpo_core.raise_pending()` (`pending.py`); "sync": one device sync, raised by this call; "assert": a
+    device-side assert (it ends the process's CUDA context), also the only choice inside a compiled graph. The
+    kernels never read out of bounds: flagged tokens are skipped."""
+    if check_values not in CHECKS:
+        raise LossContractError(f"check_values: expected one of {CHECKS}, got {check_values!r}")
+    if check_values == "assert" or torch.compiler.is_compiling():
+        torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards, old_logps or completion_mask values or "
+                                      "non-finite log-probs (check_values='sync' gives the precise error)")
+        return
+    # Copies of what the precise check reads (small: [B, T]), so that in-place reuse of the inputs cannot hide
+    # the bad value; the logits only lend their shape, dtype and device.
+    kept = [None if t is None else t.detach().clone() for t in (action_ids, old_logps, rewards, completion_mask)]
+    shapes = [None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+              for t in (policy_logits, ref_logits)]
+
+    def recheck() -> None:
+        mask = check_inputs(*shapes, *kept, beta=beta, rewards_required=rewards is not None)
+        check_logprobs(logp, logp_ref, mask)
+
+    pending.defer(bad, recheck, label)
+    if check_values == "sync":
+        pending.raise_pending()
 
 
 class TritonRatioKLOp:
@@ -367,16 +386,21 @@ class TritonRatioKLOp:
     backend = "triton"
 
     def __call__(self, policy_logits, ref_logits, action_ids, completion_mask, old_logps, *,
-                 check_values: bool = True):
-        """`check_values`: as in `TritonGRPOLossOp` (a device sync and precise errors, or a device-side assert)."""
+                 check_values: str = "deferred"):
+        """`check_values`: as in `TritonGRPOLossOp` ("deferred", "sync" or "assert")."""
+        if not torch.compiler.is_compiling():
+            pending.raise_pending()
         mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, beta=1.0,
                             values=False)
         if torch.compiler.is_compiling():
             out, err = token_logprobs(policy_logits, ref_logits, action_ids, mask)
         else:
             out, err = _TokenLogprobs.apply(policy_logits, ref_logits, action_ids, mask)
-        bad = err[0] if completion_mask.dtype == torch.bool else err[0] | (mask & (completion_mask != 1)).any()
-        check_values_after(bad, check_values, policy_logits, ref_logits, action_ids, old_logps, None,
-                           completion_mask, 1.0)
-        return canonical.ratio_and_kl(out[0].view(mask.shape), out[1].view(mask.shape), old_logps, mask,
-                                      exp=torch.exp)
+        logp, logp_ref = out[0].view(mask.shape), out[1].view(mask.shape)
+        finite = torch.isfinite(logp) & torch.isfinite(logp_ref) & torch.isfinite(old_logps)
+        bad = err[0] | (mask & ~finite).any()
+        if completion_mask.dtype != torch.bool:
+            bad = bad | (mask & (completion_mask != 1)).any()
+        check_values_after(bad, check_values, "ratio_kl (triton)", policy_logits, ref_logits, action_ids, old_logps,
+                           None, completion_mask, 1.0, logp.detach(), logp_ref.detach())
+        return canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp)
