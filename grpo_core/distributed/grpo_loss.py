@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import canonical
-from ..contract import GRPOLossContract, LossContractError, check_inputs
+from .. import canonical, pending
+from ..contract import GRPOLossContract, LossContractError, check_inputs, check_logprobs
 from ..result import GRPOLossResult, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -102,13 +102,21 @@ class DistributedGRPOLossOp:
 
     def apply(self, policy_local_logits: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor,
               rewards: torch.Tensor, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
-              ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None
-              ) -> GRPOLossResult:
+              ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
+              check_values: str = "deferred") -> GRPOLossResult:
+        """`check_values` (the Triton kernels; the torch ones check in the call): "deferred" checks the values
+        without a device sync and raises at the next call or at `grpo_core.raise_pending()`, "sync" in this call
+        (`pending.py`)."""
+        if check_values not in ("deferred", "sync"):
+            raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
+        pending.raise_pending()
+        triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
                    "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards,
                    "completion_mask": completion_mask}
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
+            nonlocal triton_runs
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
@@ -119,14 +127,19 @@ class DistributedGRPOLossOp:
                     f"policy_local_logits: expected [owned sequences, padded_seq_len, local vocab] = {list(expected)}"
                     f" from the contract (sequences {seq_lo}:{seq_hi}, vocab {v_lo}:{v_hi}), got "
                     f"{list(policy_local_logits.shape)}")
+            triton_runs = self._triton_runs(policy_local_logits, contract.vocab_tile)
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                                 beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
-                                rewards_required=True)
+                                rewards_required=True, values=not triton_runs)  # Triton: flags, no device sync
 
-        mask = preflight(contract, BACKEND_ID, tensors, local_checks,
-                         lambda: replicated_digest(completion_mask, torch.where(completion_mask.bool(), action_ids, 0),
-                                                   torch.where(completion_mask.bool(), old_logps, 0), rewards),
-                         tp_group, dp_group)
+        def replicated() -> str:  # compared on the TP axis only
+            if contract.sharding.tp_world_size == 1:
+                return ""
+            active = completion_mask.bool()
+            return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
+                                     torch.where(active, old_logps, 0), rewards)
+
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         s = contract.sharding
         (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
         n_local, T = seq_hi - seq_lo, contract.padded_seq_len
@@ -137,12 +150,17 @@ class DistributedGRPOLossOp:
         rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
         advantages = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
         adv = advantages[seq_lo:seq_hi]
-        triton_runs = self._triton_runs(x, lp.tile_width)
         clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
         if triton_runs:
             logp, logp_ref, lse, sums, bad = self._triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group,
                                                                  clip_lo, clip_hi)
             local_policy, local_kl = sums[0], sums[1]
+            # The value checks the preflight skipped, as per-sequence flags: no device sync.
+            ids = action_ids.long()
+            wrong = mask & ((ids < 0) | (ids >= contract.vocab_size) | ~torch.isfinite(old))
+            if completion_mask.dtype != torch.bool:
+                wrong |= (completion_mask != 0) & (completion_mask != 1)
+            bad = bad + wrong.any(-1) + ~torch.isfinite(rewards.detach().to(torch.float32))
         else:
             rows = mask.reshape(-1).nonzero().squeeze(1)
             ids = action_ids.reshape(-1)[rows].long()
@@ -165,7 +183,10 @@ class DistributedGRPOLossOp:
             bad = bad.view(n_local, T).sum(-1)
         counts_bad = gather_sequences(torch.stack([mask.sum(-1), bad], -1), contract, dp_group)
         counts = counts_bad[:, 0]
-        if bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together, same words
+        if triton_runs:  # every rank holds the gathered flags: all raise together, at their next call
+            self._defer(counts_bad[:, 1], check_values, contract, policy_local_logits, ref_local_logits, action_ids,
+                        old_logps, rewards, completion_mask, logp, logp_ref)
+        elif bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together, same words
             check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
         per_seq_policy = gather_sequences(local_policy, contract, dp_group)
         per_seq_kl = gather_sequences(local_kl, contract, dp_group)
@@ -197,6 +218,28 @@ class DistributedGRPOLossOp:
                                   kernels="triton" if triton_runs else "torch", fingerprint=contract.fingerprint(),
                                   tile_width=lp.tile_width, tp_world_size=s.tp_world_size,
                                   dp_world_size=s.dp_world_size, determinism_scope=contract.determinism_scope.value))
+
+    @staticmethod
+    def _defer(flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, completion_mask, logp,
+               logp_ref) -> None:
+        """Hands the gathered per-sequence flags to `pending` with this rank's copies of the small inputs; the
+        precise error comes from the rank that holds the bad value, the others name the sequences."""
+        (seq_lo, seq_hi), (v_lo, v_hi) = contract.sharding.sequence_bounds, contract.sharding.vocab_bounds
+        kept = [t.detach().clone() for t in (action_ids, old_logps, rewards, completion_mask)]
+        shapes = [None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+                  for t in (policy, ref)]
+
+        def recheck() -> None:
+            mask = check_inputs(*shapes, *kept, beta=contract.beta, vocab_size=contract.vocab_size,
+                                num_rewards=seq_hi - seq_lo, rewards_required=True)
+            check_logprobs(logp, logp_ref, mask)
+            seqs = flags.nonzero().flatten()[:8].tolist()
+            raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward or old "
+                                    f"log-prob, or a non-finite log-prob) on another rank, which names it")
+
+        pending.defer(flags.any(), recheck, "grpo_loss (distributed, triton kernels)")
+        if check_values == "sync":
+            pending.raise_pending()
 
     @staticmethod
     def _triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group, clip_lo, clip_hi):
