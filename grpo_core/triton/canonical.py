@@ -27,9 +27,13 @@ import triton.language as tl
 from .. import canonical as C
 from .launch import pick, twins
 
-CHUNK = 4096  # vocabulary columns per loop iteration of the row kernels
+# Settings from one H200 sweep (bf16, V = 32768 and 151936, 2026-11-30; benchmarks/README.md): the row kernel with
+# (2048 columns, 2 warps) took 3.16 / 7.32 ms against 4.94 / 7.41 with (4096, 4) and 3.20 / 9.65 with (1024, 2).
+CHUNK = 2048  # vocabulary columns per loop iteration of the row kernels
+ROW_WARPS = 2
+GRAD_BLOCK = 4096  # columns per loop iteration of the gradient kernel
 BLOCK_T = 1024  # tokens per loop iteration of the sequence kernel
-NUM_WARPS = 4
+NUM_WARPS = 4  # the other kernels
 MAX_TILE = CHUNK  # the row kernels hold one tile per chunk at least
 
 _LOG2E, _ROUND = tl.constexpr(C.LOG2E), tl.constexpr(C.ROUND)
@@ -130,7 +134,7 @@ def _tiles(row_ptr, start, V, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.const
     """`canonical.tile_stats` of the `NT` tiles from tile `start` of one row: `[NT]` maxima and sums."""
     cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
     x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    m = tl.reduce(x, 1, _max)
+    m = tl.max(x, 1)  # exact in any order; a row with a NaN has a NaN sum whatever its max, and raises
     m = tl.where(m == 0.0, 0.0, m)
     e = exp_nonpos(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
     for k in tl.static_range(LOG2W):
@@ -174,7 +178,8 @@ def _row(row_ptr, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, STATS: 
             tl.store(stats_ptr + (2 * which * N + row) * tiles + t, m, mask=t < tiles)
             tl.store(stats_ptr + ((2 * which + 1) * N + row) * tiles + t, s, mask=t < tiles)
     else:
-        tl.store(out_ptr + (2 * which + 1) * N + row, _row_lse(row_ptr, V, tiles, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C))
+        lse = _row_lse(row_ptr, V, tiles, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C)
+        tl.store(out_ptr + (2 * which + 1) * N + row, lse)
 
 
 def _row_kernel(
@@ -355,7 +360,8 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-_FP = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
+def _fp(warps: int | None = None) -> dict:
+    return dict(num_warps=warps or NUM_WARPS, enable_fp_fusion=False)
 
 
 def row_lse(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor, lo: int,
@@ -374,7 +380,7 @@ def row_lse(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, m
     if N:
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), out, st, N, V, x.stride(0), r.stride(0),
-            lo, tiles, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width), **_FP)
+            lo, tiles, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width), **_fp(ROW_WARPS))
     return out, (st if stats else None)
 
 
@@ -384,7 +390,7 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tens
     lse = torch.empty(N, dtype=torch.float32, device=stats.device)
     if N:
         _merge_kernel[(N,)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, N, tiles,
-                            **_tiling(tiles, width), **_FP)
+                            **_tiling(tiles, width), **_fp())
     return lse
 
 
@@ -400,7 +406,7 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
         _sequence_kernel[(B,)](logp.contiguous(), (logp_ref if logp_ref is not None else logp).contiguous(),
                                old.to(torch.float32).contiguous(), mask.contiguous(), adv.contiguous(), out, bad, B,
                                T, clip_lo, clip_hi, HAS_REF=logp_ref is not None, BLOCK=block, LOG2B=_log2(block),
-                               CHUNKS=chunks, LOG2C=_log2(chunks), **_FP)
+                               CHUNKS=chunks, LOG2C=_log2(chunks), **_fp())
     return out, bad
 
 
@@ -418,6 +424,6 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             (logp_ref if logp_ref is not None else logp).contiguous(), old.to(torch.float32).contiguous(),
             adv.contiguous(), weights.contiguous(), lse.contiguous(), grad_loss.to(torch.float32).reshape(1),
             g.view(torch.int16) if bf16_bits else g, mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi,
-            beta, HAS_REF=logp_ref is not None, BF16_BITS=bf16_bits, BLOCK=min(CHUNK, triton.next_power_of_2(V)),
-            **_FP)
+            beta, HAS_REF=logp_ref is not None, BF16_BITS=bf16_bits, BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)),
+            **_fp())
     return g.view(policy.shape)
