@@ -130,10 +130,13 @@ def _merge(m, s, N: tl.constexpr, LOG2N: tl.constexpr):
 
 
 @triton.jit
-def _tiles(row_ptr, start, V, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr):
-    """`canonical.tile_stats` of the `NT` tiles from tile `start` of one row: `[NT]` maxima and sums."""
+def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr):
+    """`canonical.tile_stats` of the `NT` tiles from tile `start` of one row (its logits times `inv`, the inverse
+    temperature, with SCALE): `[NT]` maxima and sums."""
     cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
     x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    if SCALE:
+        x = x * inv
     m = tl.max(x, 1)  # exact in any order; a row with a NaN has a NaN sum whatever its max, and raises
     m = tl.where(m == 0.0, 0.0, m)
     e = exp_nonpos(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
@@ -151,15 +154,15 @@ def _lse(m, s):
 
 
 @triton.jit
-def _row_lse(row_ptr, V, tiles, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, LOG2NT: tl.constexpr,
-             CHUNKS: tl.constexpr, LOG2C: tl.constexpr):
+def _row_lse(row_ptr, V, tiles, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, LOG2NT: tl.constexpr,
+             CHUNKS: tl.constexpr, LOG2C: tl.constexpr, SCALE: tl.constexpr):
     """lse of one row: its tiles' statistics collected in registers `[CHUNKS, NT]` (global tile order when
     flattened), then one merge tree over all of them."""
     chunk = tl.arange(0, CHUNKS)[:, None]
     ms = tl.full((CHUNKS, NT), float("-inf"), tl.float32)
     ss = tl.zeros((CHUNKS, NT), tl.float32)
     for c in range(0, tl.cdiv(tiles, NT)):
-        m, s = _tiles(row_ptr, c * NT, V, NT, W, LOG2W)
+        m, s = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE)
         ms = tl.where(chunk == c, m[None, :], ms)
         ss = tl.where(chunk == c, s[None, :], ss)
     m, s = _merge(tl.reshape(ms, (CHUNKS * NT,)), tl.reshape(ss, (CHUNKS * NT,)), CHUNKS * NT, LOG2C + LOG2NT)
@@ -167,18 +170,22 @@ def _row_lse(row_ptr, V, tiles, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.con
 
 
 @triton.jit
-def _row(row_ptr, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, STATS: tl.constexpr, W: tl.constexpr,
-         LOG2W: tl.constexpr, NT: tl.constexpr, LOG2NT: tl.constexpr, CHUNKS: tl.constexpr, LOG2C: tl.constexpr):
+def _row(row_ptr, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, inv, STATS: tl.constexpr, W: tl.constexpr,
+         LOG2W: tl.constexpr, NT: tl.constexpr, LOG2NT: tl.constexpr, CHUNKS: tl.constexpr, LOG2C: tl.constexpr,
+         SCALE: tl.constexpr):
     """One active row of tensor `which` (0 policy, 1 reference): its selected logit, and its lse or tile stats."""
-    tl.store(out_ptr + 2 * which * N + row, tl.load(row_ptr + a, mask=owned, other=0.0).to(tl.float32))
+    z = tl.load(row_ptr + a, mask=owned, other=0.0).to(tl.float32)
+    if SCALE:
+        z = z * inv
+    tl.store(out_ptr + 2 * which * N + row, z)
     if STATS:
         for c in range(0, tl.cdiv(tiles, NT)):
             t = c * NT + tl.arange(0, NT)
-            m, s = _tiles(row_ptr, c * NT, V, NT, W, LOG2W)
+            m, s = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE)
             tl.store(stats_ptr + (2 * which * N + row) * tiles + t, m, mask=t < tiles)
             tl.store(stats_ptr + ((2 * which + 1) * N + row) * tiles + t, s, mask=t < tiles)
     else:
-        lse = _row_lse(row_ptr, V, tiles, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C)
+        lse = _row_lse(row_ptr, V, tiles, inv, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C, SCALE)
         tl.store(out_ptr + (2 * which + 1) * N + row, lse)
 
 
@@ -190,7 +197,9 @@ def _row_kernel(
     out_ptr,  # out: fp32 [4, N] = selected logit, lse, and the same for the reference (0.0 on masked rows)
     stats_ptr,  # out (STATS): fp32 [2 (policy, ref), 2 (max, sumexp), N, tiles] per-tile statistics
     N, V, stride_x, stride_r, lo, tiles,
+    inv,  # the inverse temperature, fp32 (SCALE)
     # Meta-parameters
+    SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
     STATS: tl.constexpr,  # TP > 1: write the tiles' statistics, no lse
     W: tl.constexpr, LOG2W: tl.constexpr,  # tile width (a power of two)
     NT: tl.constexpr, LOG2NT: tl.constexpr,  # tiles per chunk
@@ -198,15 +207,16 @@ def _row_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)  # 0: the policy row, 1: the reference row (a program each)
+    inv = tl.cast(inv, tl.float32)
     if tl.load(mask_ptr + row) != 0:
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         owned = (a >= 0) & (a < V)
         if which == 0:
-            _row(x_ptr + row * stride_x, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, STATS, W, LOG2W, NT,
-                 LOG2NT, CHUNKS, LOG2C)
+            _row(x_ptr + row * stride_x, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, inv, STATS, W, LOG2W,
+                 NT, LOG2NT, CHUNKS, LOG2C, SCALE)
         else:
-            _row(r_ptr + row * stride_r, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, STATS, W, LOG2W, NT,
-                 LOG2NT, CHUNKS, LOG2C)
+            _row(r_ptr + row * stride_r, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, inv, STATS, W, LOG2W,
+                 NT, LOG2NT, CHUNKS, LOG2C, SCALE)
     else:
         tl.store(out_ptr + 2 * which * N + row, 0.0)
         tl.store(out_ptr + (2 * which + 1) * N + row, 0.0)
@@ -257,18 +267,18 @@ def _sequence_kernel(
     ref_ptr,  # fp32 [B, T] reference log-probs (HAS_REF)
     old_ptr,  # fp32 [B, T] old log-probs
     mask_ptr,  # completion mask [B, T]
-    adv_ptr,  # fp32 [B] advantages
+    adv_ptr,  # fp32 [B] advantages (TOKEN_ADV: [B, T])
     out_ptr,  # out: fp32 [2, B] = each sequence's token sums of the surrogate and of the KL
     bad_ptr,  # out: int64 [B], 1 where an active token's log-prob (policy or reference) is not finite
     B, T, clip_lo, clip_hi,
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    TOKEN_ADV: tl.constexpr,  # an advantage per token
     BLOCK: tl.constexpr, LOG2B: tl.constexpr,  # tokens per chunk (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks, padded to a power of two
 ):
     b = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32)
-    adv = tl.load(adv_ptr + b)
     idx = tl.arange(0, CHUNKS)
     pol = tl.zeros((CHUNKS,), tl.float32)
     kls = tl.zeros((CHUNKS,), tl.float32)
@@ -279,6 +289,10 @@ def _sequence_kernel(
         logp = tl.load(logp_ptr + b * T + t, mask=active, other=0.0)
         logp_ref = tl.load(ref_ptr + b * T + t, mask=active, other=0.0) if HAS_REF else logp
         old = tl.load(old_ptr + b * T + t, mask=active, other=0.0)
+        if TOKEN_ADV:
+            adv = tl.load(adv_ptr + b * T + t, mask=active, other=0.0)
+        else:
+            adv = tl.load(adv_ptr + b)
         _, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, HAS_REF)
         bad = tl.maximum(bad, (active & ~((tl.abs(logp) < float("inf")) & (tl.abs(logp_ref) < float("inf"))))
                          .to(tl.int32))
@@ -296,38 +310,46 @@ def _grad_kernel(
     logp_ptr,  # fp32 [N] policy log-probs
     ref_ptr,  # fp32 [N] reference log-probs (HAS_REF)
     old_ptr,  # fp32 [N] old log-probs
-    adv_ptr,  # fp32 [N // T] advantages of this rank's sequences
+    adv_ptr,  # fp32 [N // T] advantages of this rank's sequences (TOKEN_ADV: [N], one per token)
     w_ptr,  # fp32 [N // T] normalizer weights of this rank's sequences
     lse_ptr,  # fp32 [N] the policy rows' log-sum-exp over the whole vocabulary
     g_out_ptr,  # fp32 [1] d(output) / d(loss)
     g_ptr,  # out: gradient [N, V] in the logits' dtype (BF16_BITS: its int16 view), rows `stride_g` apart
     T, V, stride_x, stride_g, lo, clip_lo, clip_hi, beta,
+    inv,  # the inverse temperature, fp32 (SCALE)
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    TOKEN_ADV: tl.constexpr,
+    SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops (round to nearest even, as torch does)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi, beta = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32), tl.cast(beta, tl.float32)
+    inv = tl.cast(inv, tl.float32)
     g_row = g_ptr + row * stride_g
     cols = tl.arange(0, BLOCK)
     if tl.load(mask_ptr + row) != 0:
         seq = row // T
         logp = tl.load(logp_ptr + row)
         logp_ref = tl.load(ref_ptr + row) if HAS_REF else logp
-        adv = tl.load(adv_ptr + seq)
+        adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
         ratio = exp(logp - tl.load(old_ptr + row))
         unclipped = ratio * adv
         coef = tl.where(unclipped <= _min(_max(ratio, clip_lo), clip_hi) * adv, -unclipped, 0.0)
         if HAS_REF:
             coef = coef + beta * (1.0 - exp(logp_ref - logp))
         coef = (coef * tl.load(w_ptr + seq)) * tl.load(g_out_ptr)
+        if SCALE:
+            coef = coef * inv
         lse = tl.load(lse_ptr + row)
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         x_row = x_ptr + row * stride_x
         for start in range(0, V, BLOCK):
             c = start + cols
             x = tl.load(x_row + c, mask=c < V, other=0.0).to(tl.float32)
+            if SCALE:
+                x = x * inv
             onehot = tl.where(c == a, 1.0, 0.0)
             grad = coef * (onehot - exp_nonpos(x - lse))
             if BF16_BITS:
@@ -365,10 +387,11 @@ def _fp(warps: int | None = None) -> dict:
 
 
 def row_lse(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor, lo: int,
-            width: int, stats: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One pass over each active row of `[n, T, V_local]` logits (policy and reference together).
+            width: int, stats: bool, inv: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One pass over each active row of `[n, T, V_local]` logits (policy and reference, a program each), scaled by
+    `inv` (the fp32 inverse temperature; 1.0: not scaled).
 
-    Returns `out` fp32 `[4, n * T]` = selected logit (0.0 where this shard does not own the id), lse, and the same
+    `out` is fp32 `[4, n * T]` = selected logit (0.0 where this shard does not own the id), lse, and the same
     for the reference; with `stats` (TP > 1) the lse rows are not computed and the per-tile statistics come back
     as fp32 `[2, 2, n * T, tiles]` instead."""
     x = _rows2d(policy)
@@ -380,7 +403,8 @@ def row_lse(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, m
     if N:
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), out, st, N, V, x.stride(0), r.stride(0),
-            lo, tiles, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width), **_fp(ROW_WARPS))
+            lo, tiles, inv, SCALE=inv != 1.0, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width),
+            **_fp(ROW_WARPS))
     return out, (st if stats else None)
 
 
@@ -396,7 +420,8 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tens
 
 def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.Tensor, mask: torch.Tensor,
                   adv: torch.Tensor, clip_lo: float, clip_hi: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's token sums `[2, B]` (surrogate, KL) and int64 flags `[B]` of non-finite log-probs."""
+    """Each sequence's token sums `[2, B]` (surrogate, KL) and int64 flags `[B]` of non-finite log-probs; `adv` is
+    `[B]`, or `[B, T]` (an advantage per token)."""
     B, T = mask.shape
     out = torch.empty(2, B, dtype=torch.float32, device=logp.device)
     bad = torch.empty(B, dtype=torch.int64, device=logp.device)
@@ -405,15 +430,18 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
     if B:
         _sequence_kernel[(B,)](logp.contiguous(), (logp_ref if logp_ref is not None else logp).contiguous(),
                                old.to(torch.float32).contiguous(), mask.contiguous(), adv.contiguous(), out, bad, B,
-                               T, clip_lo, clip_hi, HAS_REF=logp_ref is not None, BLOCK=block, LOG2B=_log2(block),
+                               T, clip_lo, clip_hi, HAS_REF=logp_ref is not None, TOKEN_ADV=adv.dim() == 2,
+                               BLOCK=block, LOG2B=_log2(block),
                                CHUNKS=chunks, LOG2C=_log2(chunks), **_fp())
     return out, bad
 
 
 def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torch.Tensor,
          logp_ref: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor, lse: torch.Tensor,
-         grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float) -> torch.Tensor:
-    """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows)."""
+         grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float, inv: float = 1.0
+         ) -> torch.Tensor:
+    """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows); `adv` `[n]` or
+    `[n, T]`; `inv` the fp32 inverse temperature."""
     x = _rows2d(policy)
     N, V = x.shape
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
@@ -424,6 +452,6 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             (logp_ref if logp_ref is not None else logp).contiguous(), old.to(torch.float32).contiguous(),
             adv.contiguous(), weights.contiguous(), lse.contiguous(), grad_loss.to(torch.float32).reshape(1),
             g.view(torch.int16) if bf16_bits else g, mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi,
-            beta, HAS_REF=logp_ref is not None, BF16_BITS=bf16_bits, BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)),
-            **_fp())
+            beta, inv, HAS_REF=logp_ref is not None, TOKEN_ADV=adv.dim() == 2, SCALE=inv != 1.0, BF16_BITS=bf16_bits,
+            BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)), **_fp())
     return g.view(policy.shape)
