@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.cli import Parser, UsageError, positive_int, usage_error
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> Parser:
     p = Parser(prog="python -m reports", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("drift", help="compare two recorded runs (run folders or run.parquet files)")
@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("study", help="regrouped token sums over seeds: vector versus scalar")
     s.add_argument("--seeds", type=positive_int, default=12)
     s.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from .drift import drift_report, regroup_study  # after parsing: a mistake is answered before torch loads
     if args.cmd == "drift":
         try:
