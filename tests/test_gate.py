@@ -399,3 +399,20 @@ def test_regroup_study_draws_vector_versus_scalar_per_seed(tmp_path):
     html = (tmp_path / "report.html").read_text()
     assert (tmp_path / "study.png").stat().st_size > 0 and html.count('<img src="data:image/png;base64,') == 1
     assert "over 2 seeds" in (tmp_path / "report.md").read_text()
+
+
+def test_goldens_refuse_a_working_tree_with_uncommitted_changes(tmp_path):
+    """The manifest names the commit that recorded the goldens, so a dirty tree is refused unless asked."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, capture_output=True, timeout=120)
+    with open(clone / "harness" / "scenarios.py", "a") as f:
+        f.write("\n# an uncommitted change\n")
+    gold = tmp_path / "golden"
+    shutil.copytree(GOLDEN, gold)
+    before = {p.name: p.read_bytes() for p in gold.iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "harness", "goldens", "--golden-dir", str(gold)], cwd=clone,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--allow-dirty: expected a clean working tree or the flag, got uncommitted changes" in line
+    assert "-dirty" in line and {p.name: p.read_bytes() for p in gold.iterdir()} == before
