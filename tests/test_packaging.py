@@ -109,6 +109,7 @@ class _Session:
         pass
 
     def install(self, *args, **kwargs) -> None:
+        assert kwargs.get("silent") is False, "pip's progress must show while installing"
         self.installs.append(args)
 
     def run_install(self, python: str, *args: str, **kwargs) -> None:
