@@ -1,56 +1,99 @@
-"""Sessions: `nox -s tests` (CPU suite), `nox -s determinism` (the CI gate). `nox -l` lists them all.
+"""Sessions: `nox -s determinism` (the CI gate), `nox -s tests` (CPU suite). `nox -l` lists them all.
 
-In a fresh virtualenv each session installs the project with the CPU torch pinned by `constraints-cpu.txt`;
-with `nox --no-venv` (a machine that already has torch, e.g. the GPU image) nothing is installed.
+Each session keeps its virtualenv under `.nox/` between calls and installs into it only when it is new or when
+`pyproject.toml` or `constraints-cpu.txt` changed since (a stamp in the virtualenv records what was installed), so
+after the first call a session starts in seconds. `-R` still works; `nox --no-venv` (a machine that already has
+torch, e.g. the GPU image) installs nothing. The harness and report arguments are checked before any install.
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from pathlib import Path
+
 import nox
 from nox.virtualenv import PassthroughEnv
 
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from harness.cli import harness_parser  # noqa: E402  (standard library only)
+from reports.__main__ import parser as reports_parser  # noqa: E402  (standard library only)
+
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "determinism"]
+nox.options.sessions = ["determinism", "tests"]
+nox.options.reuse_venv = "yes"
+PINS = ("pyproject.toml", "constraints-cpu.txt")
 
 
-def _install(session: nox.Session) -> None:
+def _check_args(session: nox.Session, parser, argv: list[str]) -> None:
+    """Parses a session's arguments before anything is installed: a typo costs a second, not an install."""
+    try:
+        parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code:
+            session.error(f"bad arguments for {parser.prog} (the line above says which)")
+        session.skip("help printed")
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    """Installs the project with `extras` and the CPU torch pinned in constraints-cpu.txt, unless this virtualenv
+    already holds exactly that install."""
     if isinstance(session.virtualenv, PassthroughEnv):
         session.log("--no-venv: using the interpreter's own torch and packages")
     else:
-        session.install("-c", "constraints-cpu.txt", "-e", ".[test]")
+        stamp = Path(session.virtualenv.location) / "grpo-core-install.txt"
+        want = f".[{extras}] " + " ".join(f"{p}:{hashlib.sha256((ROOT / p).read_bytes()).hexdigest()[:16]}"
+                                           for p in PINS)
+        if stamp.is_file() and stamp.read_text() == want:
+            session.log(f"reusing {stamp.parent} (.[{extras}]; {' and '.join(PINS)} unchanged)")
+        else:
+            session.log(f"installing .[{extras}] into {stamp.parent}: the first time takes a few minutes (torch "
+                        f"is large); later calls reuse it")
+            session.install("-c", "constraints-cpu.txt", "-e", f".[{extras}]", silent=False)
+            # run_install: skipped, like the install itself, under `nox -R` / `--no-install`
+            session.run_install("python", "-c", "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text(sys.argv[2])",
+                                str(stamp), want, silent=True)
     session.run("python", "-c", "import sys, torch; print('python', sys.version.split()[0], '| torch',"
-                " torch.__version__, '| cuda', torch.cuda.is_available())")
+                " torch.__version__, '| cuda', torch.cuda.is_available())", silent=False)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite on the CPU (pytest-xdist); extra arguments go to pytest."""
-    _install(session)
+    """Run the test suite on the CPU (pytest-xdist); extra arguments go to pytest."""
+    _install(session, "dev")
     # Without CUDA, tests/conftest.py runs the Triton kernels under TRITON_INTERPRET=1.
     session.run("python", "-m", "pytest", "-n", "auto", *session.posargs)
 
 
 @nox.session
 def determinism(session: nox.Session) -> None:
-    """The gate: every scenario on every TP x DP layout, diffed bitwise against the single-rank run and the golden.
+    """Run the gate: every scenario on every TP x DP layout, diffed bitwise.
 
     Default world 4 on the CPU; exits non-zero on any drift. Extra arguments go to `python -m harness run` (e.g.
     `-- --device cuda`, `-- --max-world 8`)."""
-    _install(session)
+    _check_args(session, harness_parser(), ["run", *session.posargs])
+    _install(session, "harness")
     session.run("python", "-m", "harness", "run", *session.posargs)
 
 
 @nox.session(default=False)
 def goldens(session: nox.Session) -> None:
-    """Re-record the goldens, one set for every platform (explicit; review the diff before committing)."""
-    _install(session)
+    """Record the golden set again (explicit; review the diff before committing).
+
+    Extra arguments go to `python -m harness goldens` (e.g. `-- --device cuda`, `-- --scenarios identity`)."""
+    _check_args(session, harness_parser(), ["goldens", *session.posargs])
+    _install(session, "harness")
     session.run("python", "-m", "harness", "goldens", *session.posargs)
 
 
 @nox.session(default=False)
 def report(session: nox.Session) -> None:
-    """Drift report between two recorded runs: `nox -s report -- drift RUN_A RUN_B --out DIR`, or the
-    regroup study: `nox -s report -- study --out DIR`."""
-    _install(session)
-    session.run("python", "-m", "reports", *(session.posargs or ["study", "--out", "runs/report"]))
+    """Write a drift report between two runs, or the regroup study (the default).
+
+    `nox -s report -- drift RUN_A RUN_B --out DIR`, or `nox -s report -- study --out DIR`."""
+    argv = session.posargs or ["study", "--out", "runs/report"]
+    _check_args(session, reports_parser(), argv)
+    _install(session, "harness")
+    session.run("python", "-m", "reports", *argv)

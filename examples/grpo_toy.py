@@ -4,6 +4,9 @@
     python examples/grpo_toy.py --device cuda --backend triton         # GPU, fused Triton backend
     python examples/grpo_toy.py --contract                             # the contract path (get_loss_op)
 
+Threads: one by default (`--threads`); the model is tiny, and on a shared 2-core CPU torch's default (one per core)
+made each step 3-12x slower. The final line names the threads and the machine next to the step time.
+
 A small GRU language model (plain PyTorch, random init, no downloads) samples `samples_per_prompt` completions
 per prompt; each completion may stop early at EOS (a ragged completion mask). The reward is the fraction of
 positions that match the sorted prompt. `old_logps` are cached at rollout, a frozen copy of the initial model is
@@ -13,6 +16,8 @@ the reference, and several optimizer steps per rollout move the ratio off 1 so t
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -123,6 +128,21 @@ def train(*, steps: int = 150, prompts_per_step: int = 16, samples_per_prompt: i
     return history
 
 
+def machine(device: str) -> str:
+    """Where a step time was measured: the device, or the CPU model with its cores and torch's threads."""
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    return (f"{model}, {os.cpu_count()} cores, {threads} thread{'s' if threads != 1 else ''}, "
+            f"torch {torch.__version__}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
@@ -133,15 +153,22 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.02)
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1; 0: torch's default, one "
+                                                          "per core)")
     p.add_argument("--contract", action="store_true", help="use get_loss_op(contract) instead of get_op")
     p.add_argument("--plot", default=None, help="write the reward curve to this PNG")
     args = p.parse_args()
+    if args.threads < 0:
+        p.error(f"--threads: expected an integer >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hist = train(steps=args.steps, backend=args.backend, device=args.device, normalizer=args.normalizer,
                  beta=args.beta, clip_eps=args.clip, seed=args.seed, contract=args.contract)
     first = sum(h["reward"] for h in hist[:10]) / min(10, len(hist))
     last = sum(h["reward"] for h in hist[-10:]) / min(10, len(hist))
     ms = 1e3 * sorted(h["seconds"] for h in hist)[len(hist) // 2]
-    print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}; median step {ms:.1f} ms")
+    print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}; median step {ms:.1f} ms "
+          f"({machine(args.device)})")
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

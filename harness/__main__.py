@@ -2,7 +2,8 @@
 
   run      every scenario on every TP x DP layout of up to --max-world ranks; bitwise diff of every topology
            against the single-rank run and of the run against the golden; exit 1 on any drift
-  diff     two recorded runs (run.parquet files), bitwise
+  diff     two recorded runs (run folders or run.parquet files), layout with layout, bitwise; a row that one
+           run lacks is `missing`; exit 1 on any difference
   goldens  record the goldens (explicit: never a side effect of `run`)
 
 There is one golden set for every platform: the canonical math gives the same bits on every machine and on the
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -22,14 +22,16 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import torch
 
-from .diff import SINGLE, differences, format_differences, summarize, topology_differences
-from .record import git_commit, read_table, world_run, write_table
+from .cli import UsageError, harness_parser, positive_int, under_torchrun, usage_error
+from .diff import (SINGLE, cells_of, compare, describe_cell, differences, drift_first, format_differences, plural,
+                   summarize, topology_differences)
+from .golden import read_manifest, verify_golden, write_goldens
+from .record import TableError, git_commit, load_run, read_table, world_run, write_table
 from .scenarios import SCENARIOS
 from .topology import layouts, run_torchrun, run_world
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "golden" / "canonical"
 PROVENANCE_KEYS = ("git_commit", "math_version", "machine", "cpu_model", "cpu_capability", "device", "device_type",
                    "torch", "triton", "python", "process_group", "threads_per_rank")
 
@@ -37,31 +39,46 @@ PROVENANCE_KEYS = ("git_commit", "math_version", "machine", "cpu_model", "cpu_ca
 def platform_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
-    import torch
     return "cuda-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
 
 
-def _record(args, layout_names: list[str], world: int) -> dict | None:
-    names = args.scenarios.split(",") if args.scenarios else list(SCENARIOS)
+def _scenarios(args) -> list[str]:
+    names = args.scenarios.split(",") if args.scenarios is not None else list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        sys.exit(f"--scenarios: unknown {unknown}; expected names from {list(SCENARIOS)}")
+        raise UsageError(f"--scenarios: expected names from {list(SCENARIOS)}, got {unknown}")
+    return names
+
+
+def _check_device(args) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device: expected cpu (torch {torch.__version__} sees no CUDA device here), got cuda")
+    if args.device == "cpu" and args.backend == "nccl":
+        raise UsageError("--backend: expected gloo with --device cpu (NCCL needs GPUs), got nccl")
+
+
+def _world(args) -> int:
+    """The world size: torchrun's WORLD_SIZE under torchrun, else --max-world, $GRPO_MAX_WORLD or 4."""
+    if args.torchrun:
+        size = int(os.environ["WORLD_SIZE"])
+        if args.max_world not in (None, size):
+            raise UsageError(f"--max-world: expected nothing or {size} (torchrun's WORLD_SIZE), got {args.max_world}")
+        return size
+    if args.max_world is not None:
+        return args.max_world
+    try:
+        return positive_int(os.environ.get("GRPO_MAX_WORLD", "4"))
+    except argparse.ArgumentTypeError as err:
+        raise UsageError(f"GRPO_MAX_WORLD: {err}") from None
+
+
+def _record(args, names: list[str], layout_names: list[str], world: int) -> dict | None:
     call = (names, layout_names, getattr(args, "plant_drift", None), True)
-    if getattr(args, "torchrun", False):
+    if args.torchrun:
         return run_torchrun(world_run, *call, device=args.device, timeout_s=args.timeout,
                             memory_fraction=args.cuda_memory_fraction)
     return run_world(world_run, world, *call, device=args.device, backend=args.backend, timeout_s=args.timeout,
                      memory_fraction=args.cuda_memory_fraction)[0]
-
-
-def load_golden(folder: Path) -> tuple[pd.DataFrame, dict] | None:
-    """The golden rows and the manifest's provenance, or None when the folder holds no golden."""
-    files = sorted(folder.glob("*.parquet")) if folder.is_dir() else []
-    if not files:
-        return None
-    manifest = folder / "MANIFEST.json"
-    recorded = json.loads(manifest.read_text()).get("provenance", {}) if manifest.is_file() else {}
-    return pd.concat([read_table(f)[0] for f in files], ignore_index=True), recorded
 
 
 def side_by_side(golden: dict, run: dict) -> str:
@@ -75,34 +92,45 @@ def side_by_side(golden: dict, run: dict) -> str:
 
 def cmd_run(args) -> int:
     started = time.monotonic()
-    if args.torchrun:  # the world is torchrun's: every layout that fits in it
-        args.max_world = int(os.environ["WORLD_SIZE"])
-    lays = [l.name for l in layouts(args.max_world)]
-    out = _record(args, lays, args.max_world)
+    world = _world(args)
+    lays = [l.name for l in layouts(world)]
+    names = _scenarios(args)
+    _check_device(args)
+    if args.plant_drift is not None and args.plant_drift not in lays:
+        raise UsageError(f"--plant-drift: expected one of this run's layouts ({', '.join(lays)}), got "
+                         f"{args.plant_drift}")
+    record_cmd = f"nox -s goldens -- --device {args.device}   (or python -m harness goldens --device {args.device})"
+    golden_dir = Path(args.golden_dir)
+    try:  # before the world starts: a damaged golden fails at once
+        loaded = verify_golden(golden_dir)
+    except TableError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"FAIL: golden {err}\nThe golden set in {golden_dir} is damaged or is not this code's. Restore it "
+                  f"(git checkout {golden_dir}) or record it again with: {record_cmd}", file=sys.stderr)
+            print("determinism: FAILED (1 problem)")
+        return 1
+    out = _record(args, names, lays, world)
     if out is None:  # a torchrun rank other than 0
         return 0
-    run_dir = Path(args.out or ROOT / "runs" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    df = pd.DataFrame(out["rows"])
+    run_dir = Path(args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     meta = {"provenance": out["provenance"], "guards": out["guards"], "layouts": lays,
             "platform": platform_name(args.device), "plant_drift": args.plant_drift}
     write_table(out["rows"], run_dir / "run.parquet", meta)
     df, _ = read_table(run_dir / "run.parquet")  # diff exactly what was written
 
     topo = topology_differences(df)
-    table = summarize(df, topo).rename(columns={"status": "vs_single_rank"})
-    golden_dir = Path(args.golden_dir)
-    loaded = load_golden(golden_dir)
+    table = summarize(cells_of(df), topo).rename(columns={"status": "vs_single_rank"})
     failures = [f"guard {name}: {msg}" for name, msg in out["guards"].items() if msg]
-    record_cmd = f"nox -s goldens -- --device {args.device}   (or python -m harness goldens --device {args.device})"
+    recorded: dict = {}
     if loaded is None:
         table["vs_golden"] = "no golden"
         failures.append(f"no golden under {golden_dir}/; record one with: {record_cmd}")
-        gold = pd.DataFrame(columns=topo.columns)
+        gold = topo.iloc[:0]
     else:
         golden, recorded = loaded
         gold = differences(df[df["scenario"].isin(golden["scenario"].unique())], golden)
-        gsum = summarize(df, gold).set_index(["scenario", "topology"])
-        table["vs_golden"] = [gsum.loc[(s, t), "status"] if (s, t) in gsum.index else "no golden"
+        gsum = summarize(cells_of(df), gold).set_index(["scenario", "topology"])
+        table["vs_golden"] = [gsum.loc[(s, t), "status"] if s in recorded else "no golden"
                               for s, t in zip(table["scenario"], table["topology"])]
         missing = sorted(set(df["scenario"]) - set(golden["scenario"]))
         if missing:
@@ -113,23 +141,24 @@ def cmd_run(args) -> int:
             failures.append(f"golden contract fingerprints differ for {stale}: the scenario's contract changed; "
                             f"re-record the goldens only if the change is intended")
     grid = table.pivot(index="scenario", columns="topology", values="vs_single_rank")[lays]
-    print(f"\n{len(df['scenario'].unique())} scenarios x {len(lays)} layouts on {meta['platform']} "
-          f"({out['provenance']['process_group']}, world {args.max_world}) in {time.monotonic() - started:.1f} s")
+    print(f"\n{plural(df['scenario'].nunique(), 'scenario')} x {plural(len(lays), 'layout')} on {meta['platform']} "
+          f"({out['provenance']['process_group']}, world {world}) in {time.monotonic() - started:.1f} s")
+    if args.plant_drift:
+        print(f"planted: a regrouped token sum at {args.plant_drift} (the gate must fail)")
     print(grid.to_string())
     print("vs golden:", ", ".join(f"{k}={v}" for k, v in table["vs_golden"].value_counts().items()))
     for what, diffs in (("drifted between topologies", topo), ("differ from the golden", gold)):
         if len(diffs):
-            cells = summarize(diffs, diffs)
-            moved = "\n".join(f"  {c.scenario} {c.topology}: {c.sequences_moved} sequences moved ({c.fields_moved}); "
-                              f"scalar moved: {'yes' if c.scalar_moved else 'no'}; max {c.max_ulp:.0f} ULP"
-                              for c in cells.itertuples(index=False))
-            failures.append(f"{len(diffs)} values {what}:\n{moved}\n" + format_differences(diffs))
-    if len(gold):
-        failures.append("the golden was recorded here (`*`: differs from this run):\n"
-                        + side_by_side(recorded, out["provenance"])
-                        + "\nThe canonical math promises the same bits on every machine, so a difference is a "
-                          "change of the math (or a bug) to explain. Re-record the goldens, once the change is "
-                          f"intended, with: {record_cmd}")
+            if len(diffs) == 1:
+                what = what.replace("differ ", "differs ")
+            cells = "\n".join("  " + describe_cell(c) for c in summarize(cells_of(diffs), diffs).itertuples())
+            failures.append(f"{plural(len(diffs), 'row')} {what}:\n{cells}\n" + format_differences(diffs))
+    if len(gold):  # what to do next: where the golden came from, and how to record one
+        failures[-1] += ("\nThe golden was recorded here (`*`: differs from this run):\n"
+                         + side_by_side(recorded.get(gold["scenario"].iloc[0], {}), out["provenance"])
+                         + "\nThe canonical math promises the same bits on every machine, so a difference is a "
+                           "change of the math (or a bug) to explain. Re-record the goldens, once the change is "
+                           f"intended, with: {record_cmd}")
     report = ["# Determinism run", "", f"Platform `{meta['platform']}`, provenance:", "",
               "```json", json.dumps(out["provenance"], indent=1), "```", "", "```", grid.to_string(), "```", "",
               "## Failures" if failures else "All identical.", ""]
@@ -139,83 +168,66 @@ def cmd_run(args) -> int:
     print(f"recorded {run_dir / 'run.parquet'}; summary {run_dir / 'summary.md'}")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
-    print(f"determinism: FAILED ({len(failures)} problems)" if failures else "determinism: all identical")
+    print(f"determinism: FAILED ({plural(len(failures), 'problem')})" if failures else "determinism: all identical")
     return 1 if failures else 0
 
 
 def cmd_diff(args) -> int:
-    a, _ = read_table(Path(args.a))
-    b, _ = read_table(Path(args.b))
-    diffs = differences(a, b[b["topology"] == args.reference_topology])
-    print(summarize(a, diffs).to_string(index=False))
-    print(format_differences(diffs, limit=50) if len(diffs) else "identical")
-    return 1 if len(diffs) else 0
+    a, _ = load_run("a", args.a)
+    b, _ = load_run("b", args.b)
+    diffs = compare(a, b, ("A", "B"))
+    cells = drift_first(summarize(cells_of(a, b), diffs))
+    print(f"A = {args.a}\nB = {args.b}")
+    print(cells.to_string(index=False))
+    if diffs.empty:
+        print("identical")
+        return 0
+    print(format_differences(diffs, limit=50))
+    moved, gone = int((diffs["missing"] == "").sum()), int((diffs["missing"] != "").sum())
+    print(f"FAILED: {plural(moved, 'value')} moved and {plural(gone, 'row')} missing on one side, in "
+          f"{plural(int((cells['status'] != 'identical').sum()), 'cell')}")
+    return 1
 
 
 def cmd_goldens(args) -> int:
+    names = _scenarios(args)
+    _check_device(args)
     commit = git_commit()
     if commit.endswith("-dirty") and not args.allow_dirty:
-        print(f"goldens: the working tree has uncommitted changes ({commit}); commit first, so that the manifest "
-              f"names the code that recorded them, or pass --allow-dirty", file=sys.stderr)
-        return 2
-    out = _record(args, [SINGLE], 1)
+        raise UsageError(f"--allow-dirty: expected a clean working tree or the flag, got uncommitted changes "
+                         f"({commit}); commit first, so that the manifest names the code that recorded the goldens")
     platform = platform_name(args.device)
     folder = Path(args.golden_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("*.parquet"):
-        stale.unlink()
-    df = pd.DataFrame(out["rows"])
-    files = {}
-    for name, rows in df.groupby("scenario"):
-        path = folder / f"{name}.parquet"
-        write_table(rows.to_dict("records"), path, {"provenance": out["provenance"], "platform": platform})
-        files[path.name] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-                            "fingerprint": rows["fingerprint"].iloc[0]}
-    manifest = {"platform": platform, "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "command": "python -m harness goldens " + " ".join(sys.argv[2:]),
-        "provenance": out["provenance"], "files": files}
-    (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {len(files)} goldens to {folder}")
+    part = set(names) != set(SCENARIOS)
+    if part:  # the other files stay: the set must be sound and of this platform
+        try:
+            existing = verify_golden(folder)
+        except TableError as err:
+            raise UsageError(f"--scenarios: expected every scenario, since {folder} fails a check ({err}); got "
+                             f"{args.scenarios}") from None
+        if existing is not None and read_manifest(folder)["platform"] != platform:
+            raise UsageError(f"--scenarios: expected every scenario, since {folder} was recorded on "
+                             f"{read_manifest(folder)['platform']} and this is {platform}; got {args.scenarios}")
+        part = existing is not None
+    out = _record(args, names, [SINGLE], 1)
+    if out is None:
+        return 0
+    write_goldens(folder, pd.DataFrame(out["rows"]), provenance=out["provenance"], platform=platform,
+                  command="python -m harness goldens " + " ".join(sys.argv[2:]), keep_others=part)
+    print(f"wrote {plural(len(names), 'golden')} to {folder}" + (" (the other files of the set kept)" if part else ""))
     return 0
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "goldens"):
-        s = sub.add_parser(name)
-        s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-        s.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                       help="default: gloo on the CPU; NCCL with one GPU per rank; gloo when ranks share a GPU")
-        s.add_argument("--scenarios", default=None, help="comma-separated names (default: all)")
-        s.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung world is killed")
-        s.add_argument("--cuda-memory-fraction", type=_fraction, default=0.2,
-                       help="cap on each rank's share of its GPU's memory (default 0.2), so that a run can share a "
-                            "node with a training job")
-        s.add_argument("--torchrun", action="store_true", help="this process was started by torchrun")
-        s.add_argument("--golden-dir", default=str(GOLDEN), help="the golden set (default: golden/canonical)")
-        if name == "goldens":
-            s.add_argument("--allow-dirty", action="store_true",
-                           help="record from a working tree with uncommitted changes")
-        if name == "run":
-            s.add_argument("--max-world", type=int, default=int(os.environ.get("GRPO_MAX_WORLD", 4)))
-            s.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
-            s.add_argument("--plant-drift", default=None, metavar="LAYOUT",
-                           help="run a regrouped token-sum op at this layout (e.g. tp2xdp1): the gate must fail")
-    d = sub.add_parser("diff")
-    d.add_argument("a")
-    d.add_argument("b")
-    d.add_argument("--reference-topology", default=SINGLE)
-    args = p.parse_args(argv)
-    return {"run": cmd_run, "diff": cmd_diff, "goldens": cmd_goldens}[args.cmd](args)
+    args = harness_parser(__doc__).parse_args(argv)
+    if args.cmd != "diff":
+        args.torchrun = args.torchrun or under_torchrun()
+    try:
+        return {"run": cmd_run, "diff": cmd_diff, "goldens": cmd_goldens}[args.cmd](args)
+    except UsageError as err:
+        if os.environ.get("RANK", "0") == "0":
+            usage_error("python -m harness " + args.cmd, err)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 One row per (scenario, topology, field, index): the value, its exact bit pattern (`bits`, the integer view),
 and for the gradient a per-sequence SHA-256 digest of its bytes in global vocab order. File metadata carries
-the provenance: versions, device, git commit, pinned numerics.
+the provenance: versions, device, git commit, pinned numerics. A table is checked when it is read (schema, unique
+keys, known fields, `value` against `bits`, digests): a damaged file raises `TableError` naming the check, never
+a library traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,12 +28,26 @@ import torch.nn.functional as F
 from grpo_core.contract import MATH_VERSION
 from grpo_core.distributed import DistributedGRPOLossOp
 
+from .cli import UsageError
 from .scenarios import SCENARIOS, RegroupedTokenSumOp, Scenario
 from .topology import Layout, RankContext
 
 SCALARS = ("loss", "policy_loss", "kl")
 VECTORS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens")
-COLUMNS = ["scenario", "topology", "field", "index", "value", "bits", "digest", "fingerprint"]
+FIELDS = SCALARS + VECTORS + ("grad_digest",)
+SCHEMA = pa.schema([("scenario", pa.string()), ("topology", pa.string()), ("field", pa.string()),
+                    ("index", pa.int64()), ("value", pa.float64()), ("bits", pa.int64()), ("digest", pa.string()),
+                    ("fingerprint", pa.string())])
+COLUMNS = SCHEMA.names
+KEY = ["scenario", "topology", "field", "index"]
+
+
+class TableError(Exception):
+    """A recorded table or golden set that fails a check; `check` names it (`schema`, `value vs bits`, ...)."""
+
+    def __init__(self, check: str, message: str) -> None:
+        super().__init__(f"{check}: {message}")
+        self.check = check
 
 
 def bit_pattern(t: torch.Tensor) -> list[int]:
@@ -174,13 +191,92 @@ def provenance(ctx: RankContext) -> dict[str, Any]:
 
 def write_table(rows: list[dict], path: Path, metadata: dict[str, Any]) -> None:
     df = pd.DataFrame(rows, columns=COLUMNS).astype({"index": "int64", "bits": "Int64"})
-    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = pa.Table.from_pandas(df, schema=SCHEMA, preserve_index=False)
     meta = {**(table.schema.metadata or {}), b"grpo_core": json.dumps(metadata, sort_keys=True).encode()}
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table.replace_schema_metadata(meta), path)
 
 
+def _kind(t: pa.DataType) -> str:
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_integer(t):
+        return "integer"
+    return "float" if pa.types.is_floating(t) else str(t)
+
+
 def read_table(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
-    table = pq.read_table(path)
-    meta = json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
-    return table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get), meta
+    """The rows and the metadata of a recorded table, checked; raises `TableError` naming the failed check."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise TableError("readable", f"{path} is not a Parquet file ({str(exc).splitlines()[0]})") from None
+    got = {f.name: f.type for f in table.schema}
+    absent = [c for c in COLUMNS if c not in got]
+    extra = [c for c in got if c not in COLUMNS]
+    if absent or extra:
+        raise TableError("schema", f"{path}: expected columns {COLUMNS}, got {list(got)} (missing {absent}, "
+                                   f"unexpected {extra})")
+    for want in SCHEMA:
+        if _kind(got[want.name]) not in (_kind(want.type), "null"):
+            raise TableError("schema", f"{path}: column {want.name} expected {_kind(want.type)} values, got "
+                                       f"{got[want.name]}")
+    try:
+        meta = json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
+    except ValueError:
+        raise TableError("metadata", f"{path}: the grpo_core metadata is not JSON") from None
+    df = table.select(COLUMNS).cast(SCHEMA).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
+    check_rows(df, str(path))
+    return df, meta
+
+
+def check_rows(df: pd.DataFrame, where: str) -> None:
+    """Known fields, unique keys, one fingerprint per cell, `value` equal to the number `bits` encodes, digests."""
+    def first(mask: pd.Series) -> str:
+        r = df[mask].iloc[0]
+        return f"{int(mask.sum())} rows, first {r['scenario']} {r['topology']} {r['field']}[{r['index']}]"
+
+    for col in ("scenario", "topology", "field", "index", "fingerprint"):
+        if df[col].isna().any():
+            raise TableError("schema", f"{where}: column {col} has empty values ({first(df[col].isna())})")
+    unknown = ~df["field"].isin(FIELDS)
+    if unknown.any():
+        raise TableError("fields", f"{where}: expected fields from {list(FIELDS)}, got "
+                                   f"{sorted(df.loc[unknown, 'field'].unique())}")
+    dup = df.duplicated(KEY, keep="first")
+    if dup.any():
+        raise TableError("unique keys", f"{where}: a (scenario, topology, field, index) key appears twice ({first(dup)})")
+    fps = df.groupby(["scenario", "topology"])["fingerprint"].transform("nunique")
+    if (fps > 1).any():
+        raise TableError("fingerprint", f"{where}: one cell carries several contract fingerprints ({first(fps > 1)})")
+    grad = df["field"] == "grad_digest"
+    bad = grad & ~(df["digest"].fillna("").str.fullmatch(r"[0-9a-f]{24}") & df["bits"].isna() & df["value"].isna())
+    if bad.any():
+        raise TableError("digest", f"{where}: a gradient row needs a 24-hex-digit digest and no value or bits "
+                                   f"({first(bad)})")
+    num = df[~grad]
+    bits = num["bits"].astype("float64").to_numpy()  # NaN where absent; int32 patterns and counts fit exactly
+    value = num["value"].to_numpy()
+    counts = (num["field"] == "per_sequence_active_tokens").to_numpy()
+    in_range = (bits >= -(2**31)) & (bits < 2**31)
+    as_float = np.where(in_range, bits, 0).astype(np.int64).astype(np.int32).view(np.float32).astype(np.float64)
+    same = np.where(counts, value == bits, (as_float == value) | (np.isnan(as_float) & np.isnan(value)))
+    ok = ~np.isnan(bits) & in_range & same
+    if not ok.all():
+        raise TableError("value vs bits", f"{where}: `value` is not the number that `bits` encodes "
+                                          f"({first(df.index.isin(num.index[~ok]))})")
+
+
+def load_run(arg: str, path: str) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """A run given on the command line as a run folder or its run.parquet; `UsageError` (one line) if it is not."""
+    p = Path(path)
+    file = p / "run.parquet" if p.is_dir() else p
+    expected = f"{arg}: expected a run folder or a run.parquet file, got {path}"
+    if not p.exists():
+        raise UsageError(f"{expected} (does not exist)")
+    if not file.is_file():
+        raise UsageError(f"{expected} (a folder without run.parquet)")
+    try:
+        return read_table(file)
+    except TableError as err:
+        raise UsageError(f"{expected} ({err})") from None

@@ -1,11 +1,16 @@
 """Drift between two recorded runs (two commits, two backends, two configurations), as Markdown + HTML + PNGs.
 
+The runs are compared layout with layout, symmetrically; a cell that one run lacks is `missing`, never drift. The
+report lists the cells that moved first, says what was planted in each run, and the HTML carries its figures inline
+(base64), so that the one file can be sent.
+
 Also the "comparing configurations" study: regroup each sequence's token sum (a real change of the summation
 tree) and count, over seeds, how often the per-sequence vector moves versus how often the scalar loss moves.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 from pathlib import Path
@@ -15,20 +20,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
-from harness.diff import differences, format_differences, summarize  # noqa: E402
-from harness.record import read_table  # noqa: E402
+from harness.diff import cells_of, compare, drift_first, format_differences, plural, summarize  # noqa: E402
+from harness.record import load_run  # noqa: E402
 from harness.scenarios import RegroupedTokenSumOp, Scenario  # noqa: E402
 
 VECTOR_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages")
-
-
-def _load(path: str) -> tuple[pd.DataFrame, dict]:
-    p = Path(path)
-    return read_table(p / "run.parquet" if p.is_dir() else p)
 
 
 def _table(df: pd.DataFrame) -> str:
@@ -45,7 +47,8 @@ def _html_table(df: pd.DataFrame) -> str:
 
 
 def _write(out: Path, title: str, sections: list[tuple[str, str, pd.DataFrame | None, str | None]]) -> None:
-    """Writes report.md and report.html: each section is (heading, prose, table, image file)."""
+    """Writes report.md (figures linked) and report.html (figures inline, base64): each section is (heading, prose,
+    table, image file in `out`)."""
     md, body = [f"# {title}", ""], [f"<h1>{html.escape(title)}</h1>"]
     for heading, prose, table, image in sections:
         md += [f"## {heading}", "", prose, ""]
@@ -55,61 +58,111 @@ def _write(out: Path, title: str, sections: list[tuple[str, str, pd.DataFrame | 
             body.append(_html_table(table))
         if image:
             md += [f"![{heading}]({image})", ""]
-            body.append(f'<img src="{image}" alt="{html.escape(heading)}" style="max-width:720px">')
+            data = base64.b64encode((out / image).read_bytes()).decode()
+            body.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(heading)}" style="max-width:720px">')
     (out / "report.md").write_text("\n".join(md) + "\n")
     (out / "report.html").write_text("<!doctype html><meta charset='utf-8'><title>" + html.escape(title) +
                                      "</title><body style='font-family:sans-serif'>" + "\n".join(body) + "</body>\n")
 
 
-def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
-    """Compares run A with run B topology by topology; returns the differences and writes the report."""
-    out.mkdir(parents=True, exist_ok=True)
-    a, meta_a = _load(a_path)
-    b, meta_b = _load(b_path)
-    diffs = differences(a, b, same_topology=True)
-    cells = summarize(a, diffs)
-    seq = diffs[diffs["field"].isin(VECTOR_FIELDS) & (diffs["missing"] == "")]
+def _save(fig: Figure, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
+
+def ulp_histogram(moved: pd.DataFrame) -> Figure:
+    """Histogram of the ULP distances of the moved per-sequence values (log x, integer counts)."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    if len(seq):
-        ulps = seq["ulp"].astype(float).to_numpy()
+    if len(moved):
+        ulps = moved["ulp"].astype(float).to_numpy()
         bins = np.unique(np.concatenate([[0.5], np.logspace(0, max(1.0, np.log10(ulps.max()) + 0.1), 30)]))
         ax.hist(ulps, bins=bins)
         ax.set_xscale("log")
     else:
         ax.text(0.5, 0.5, "no per-sequence value moved", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("ULP distance (per-sequence values)")
-    ax.set_ylabel("values")
-    fig.tight_layout()
-    fig.savefig(out / "ulp_histogram.png", dpi=100)
-    plt.close(fig)
+    ax.set_title("How far the moved per-sequence values moved")
+    ax.set_xlabel("ULP distance")
+    ax.set_ylabel("moved values")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
 
+
+def moved_by_scenario(cells: pd.DataFrame) -> Figure:
+    """Sequences moved per scenario, summed over layouts (integer counts)."""
     moved = cells.groupby("scenario")["sequences_moved"].sum()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.35 * max(1, len(moved))))
     ax.barh(moved.index, moved.to_numpy())
-    ax.set_xlabel("sequences moved (summed over topologies)")
-    fig.tight_layout()
-    fig.savefig(out / "moved_by_scenario.png", dpi=100)
-    plt.close(fig)
+    ax.set_title("Sequences moved, by scenario")
+    ax.set_xlabel("sequences moved (summed over layouts)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
 
-    prov = pd.DataFrame([{"run": name, **{k: m.get("provenance", {}).get(k) for k in
-                                          ("git_commit", "torch", "triton", "device", "process_group")}}
+
+def _planted(meta: dict) -> str:
+    return f"a regrouped token sum at {meta['plant_drift']}" if meta.get("plant_drift") else "nothing"
+
+
+def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
+    """Compares run A with run B layout with layout; returns the differences and writes the report.
+
+    Raises `UsageError` when a path is not a run (folder or run.parquet)."""
+    a, meta_a = load_run("a", a_path)
+    b, meta_b = load_run("b", b_path)
+    out.mkdir(parents=True, exist_ok=True)
+    diffs = compare(a, b, ("A", "B"))
+    cells = drift_first(summarize(cells_of(a, b), diffs))
+    moved = diffs[diffs["missing"] == ""]
+    seq = moved[moved["field"].isin(VECTOR_FIELDS)]
+    _save(ulp_histogram(seq), out / "ulp_histogram.png")
+    _save(moved_by_scenario(cells), out / "moved_by_scenario.png")
+
+    prov = pd.DataFrame([{"run": name, "planted": _planted(m), **{k: m.get("provenance", {}).get(k) for k in
+                                                                   ("git_commit", "torch", "triton", "device",
+                                                                    "process_group")}}
                          for name, m in (("A", meta_a), ("B", meta_b))])
-    vs = cells[["scenario", "topology", "status", "scalar_moved", "sequences_moved", "fields_moved", "max_ulp"]]
+    vs = cells[["scenario", "topology", "status", "scalar_moved", "sequences_moved", "fields_moved", "max_ulp",
+                "missing_rows"]].astype({"max_ulp": "int64"})
     listing = seq[["scenario", "topology", "field", "index", "value", "ref_value", "ulp"]].rename(
-        columns={"value": "A", "ref_value": "B"})
-    verdict = ("identical: every value and gradient digest has the same bits" if diffs.empty else
-               f"{len(diffs)} values differ in {int((cells['status'] == 'drift').sum())} of {len(cells)} "
-               f"scenario x topology cells; the scalar loss moved in {int(cells['scalar_moved'].sum())} of them")
+        columns={"value": "A", "ref_value": "B"}).astype({"ulp": "int64"})
+    gone = diffs[diffs["missing"] != ""].groupby(["scenario", "topology", "missing"]).size().reset_index(
+        name="rows").rename(columns={"missing": "missing in"})
+    drifted, absent = cells["status"].str.contains("drift"), cells["status"].str.contains("missing")
+    if diffs.empty:
+        verdict = "identical: every value and gradient digest has the same bits"
+    else:
+        verdict = (f"{plural(len(moved), 'value')} moved in {plural(int(drifted.sum()), 'cell')} of {len(cells)} "
+                   f"(scenario x layout); the scalar loss moved in {int(cells['scalar_moved'].sum())} of them")
+        if absent.any():
+            verdict += (f"; {plural(int(absent.sum()), 'cell')} with rows on one side only (listed under Missing on "
+                        f"one side): missing, not drift")
     _write(out, "Drift report", [
-        ("Runs", f"A = {a_path}\nB = {b_path}\n{verdict}", prov, None),
-        ("Scalar versus vector", "Per cell: did a scalar (loss, policy_loss, kl) move, and how many sequences did.",
+        ("Runs", f"A = {a_path} (planted: {_planted(meta_a)})\nB = {b_path} (planted: {_planted(meta_b)})\n{verdict}",
+         prov, None),
+        ("Scalar versus vector", "Per scenario x layout cell, the cells that moved first: did a scalar (loss, "
+         "policy_loss, kl) move, how many sequences did, the largest ULP distance, rows present on one side only.",
          vs, None),
         ("Per-sequence ULP distances", "Histogram over every moved per-sequence value.", None, "ulp_histogram.png"),
-        ("Sequences that moved", "By scenario.", listing.head(200), "moved_by_scenario.png"),
+        ("Sequences that moved", "By scenario (at most 200 rows listed).", listing.head(200), "moved_by_scenario.png"),
+        ("Missing on one side", "Rows that one run has and the other lacks: not compared, not drift.", gone, None),
     ])
     (out / "differences.txt").write_text(format_differences(diffs, limit=10**9) + "\n")
     return diffs
+
+
+def study_figure(df: pd.DataFrame) -> Figure:
+    """Per seed: how many per-sequence values moved (of the vector's) next to whether the scalar loss moved."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * len(df) + 2), 3.5))
+    x = df["seed"].to_numpy()
+    ax.bar(x - 0.2, df["sequence_values_moved"], width=0.4, label="per-sequence values moved")
+    ax.bar(x + 0.2, df["loss_moved"].astype(int), width=0.4, label="scalar loss moved (0 or 1)")
+    ax.set_title("Regrouped token sum: vector versus scalar, per seed")
+    ax.set_xlabel("seed")
+    ax.set_ylabel("values moved")
+    ax.set_xticks(x)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+    return fig
 
 
 def regroup_study(seeds: int, out: Path, seq_len: int = 128, vocab: int = 1000) -> dict:
@@ -124,15 +177,17 @@ def regroup_study(seeds: int, out: Path, seq_len: int = 128, vocab: int = 1000) 
                for op in (DistributedGRPOLossOp(), RegroupedTokenSumOp())]
         vec = sum(int((getattr(res[0], f).view(torch.int32) != getattr(res[1], f).view(torch.int32)).sum())
                   for f in ("per_sequence_policy", "per_sequence_kl"))
-        rows.append(dict(seed=seed, sequences_values_moved=vec, vector_moved=vec > 0,
+        rows.append(dict(seed=seed, sequence_values_moved=vec, vector_moved=vec > 0,
                          loss_moved=bool(res[0].loss.view(torch.int32) != res[1].loss.view(torch.int32)),
                          loss_ulp=abs(int(res[0].loss.view(torch.int32)) - int(res[1].loss.view(torch.int32)))))
     df = pd.DataFrame(rows)
     summary = {"seeds": seeds, "vector_moved": int(df["vector_moved"].sum()), "loss_moved": int(df["loss_moved"].sum()),
                "shape": f"8 sequences x {seq_len} tokens x V={vocab}"}
+    _save(study_figure(df), out / "study.png")
     _write(out, "Comparing configurations: regrouped token sums", [
-        ("Result", f"Regrouping each sequence's token sum (fixed pairwise tree vs left-to-right) over {seeds} seeds "
-         f"({summary['shape']}): the per-sequence vector moved in {summary['vector_moved']} of {seeds} seeds, the "
-         f"scalar loss in {summary['loss_moved']} of {seeds}. Comparing only the scalar hides drift.", df, None)])
+        ("Result", f"Regrouping each sequence's token sum (fixed pairwise tree vs left-to-right) over "
+         f"{plural(seeds, 'seed')} ({summary['shape']}): the per-sequence vector moved in {summary['vector_moved']} "
+         f"of {plural(seeds, 'seed')}, the scalar loss in {summary['loss_moved']} of {plural(seeds, 'seed')}. "
+         "Comparing only the scalar hides drift.", df, "study.png")])
     (out / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -24,3 +24,14 @@ def test_reward_rises_and_kl_stays_finite(contract):
     assert last > first + MARGIN, (first, last)
     assert all(math.isfinite(h["kl"]) for h in hist)
     assert any(h["clip_fraction"] > 0 for h in hist)  # several steps per rollout: clipping engages
+
+
+def test_script_sets_one_thread_and_names_the_machine_beside_the_step_time():
+    """The step time depends on torch's threads and the machine: the script pins one thread unless told otherwise
+    and prints both next to the figure."""
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "examples" / "grpo_toy.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "median step" in line and "1 thread," in line and " cores, " in line and "torch " in line, line

@@ -1,0 +1,107 @@
+"""Argument parsing for `python -m harness` and `python -m reports`, standard library only (nox checks a session's
+arguments with it before installing anything).
+
+A user mistake ends in one line, `<prog>: error: <argument>: expected X, got Y`, and exit code 2: never a
+traceback. Checks that need torch or the data (is there a CUDA device, is this folder a run) raise `UsageError`,
+which the entry points print the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "golden" / "canonical"
+
+
+class UsageError(Exception):
+    """A mistake in the command line, found after parsing; printed as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line (argparse prints the whole usage block first)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def usage_error(prog: str, err: UsageError) -> int:
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
+def layout_name(text: str) -> str:
+    """`tp<T>xdp<D>`, both >= 1 (whether the run has that layout is checked against --max-world later)."""
+    tp, sep, dp = text.removeprefix("tp").partition("xdp")
+    if not (text.startswith("tp") and sep and tp.isdigit() and dp.isdigit() and int(tp) >= 1 and int(dp) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a layout such as tp2xdp1, got {text}")
+    return f"tp{int(tp)}xdp{int(dp)}"
+
+
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (or any launcher that sets RANK and WORLD_SIZE for env://)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def harness_parser(description: str | None = None) -> Parser:
+    p = Parser(prog="python -m harness", description=description,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "goldens"):
+        s = sub.add_parser(name)
+        s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+        s.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                       help="default: gloo on the CPU; NCCL with one GPU per rank; gloo when ranks share a GPU")
+        s.add_argument("--scenarios", default=None, help="comma-separated names (default: all)")
+        s.add_argument("--timeout", type=positive_float, default=600.0,
+                       help="seconds before a hung world is killed")
+        s.add_argument("--cuda-memory-fraction", type=fraction, default=0.2,
+                       help="cap on each rank's share of its GPU's memory (default 0.2), so that a run can share a "
+                            "node with a training job")
+        s.add_argument("--torchrun", action="store_true",
+                       help="this process was started by torchrun (detected from its environment anyway)")
+        s.add_argument("--golden-dir", default=str(GOLDEN), help="the golden set (default: golden/canonical)")
+        if name == "goldens":
+            s.add_argument("--allow-dirty", action="store_true",
+                           help="record from a working tree with uncommitted changes")
+        if name == "run":
+            s.add_argument("--max-world", type=positive_int, default=None,
+                           help="largest world (default 4, or $GRPO_MAX_WORLD; under torchrun: its WORLD_SIZE)")
+            s.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
+            s.add_argument("--plant-drift", type=layout_name, default=None, metavar="LAYOUT",
+                           help="run a regrouped token-sum op at this layout (e.g. tp2xdp1): the gate must fail")
+    d = sub.add_parser("diff", help="two recorded runs, layout by layout, bitwise")
+    d.add_argument("a", help="a run folder or its run.parquet")
+    d.add_argument("b", help="a run folder or its run.parquet")
+    return p

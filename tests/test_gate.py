@@ -1,0 +1,418 @@
+"""A gate a user can trust (issue 13): `harness diff` is symmetric and compares layout with layout, a planted drift
+that cannot be planted is refused, goldens are verified before they are believed, and a user mistake gets one line
+and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from harness.record import read_table, write_table
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "golden" / "canonical"
+SCN = "csr_straddle_odd_v1031"
+pytestmark = pytest.mark.distributed
+
+
+def python_m(module: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def cli(capsys, module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m <module> args` in this process (no interpreter start, no torch import): same code, same output."""
+    main = importlib.import_module(f"{module}.__main__").main
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([module, *args], code, out.out, out.err)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A clean run and a run with a drift planted at tp2xdp1 (max world 2, two scenarios)."""
+    out = {}
+    for name, extra in (("clean", []), ("planted", ["--plant-drift", "tp2xdp1"])):
+        folder = tmp_path_factory.mktemp(name)
+        proc = python_m("harness", "run", "--max-world", "2", "--scenarios", f"{SCN},identity", "--out", str(folder),
+                        *extra)
+        assert proc.returncode == (1 if extra else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[name] = folder
+    return out
+
+
+def _diff_lines(stdout: str) -> set[str]:
+    return {line.split(":")[0].strip() for line in stdout.splitlines() if "ULP" in line}
+
+
+# --- harness diff ----------------------------------------------------------------------------------------------------
+
+def test_diff_is_symmetric_and_compares_layout_with_layout(runs):
+    ab = python_m("harness", "diff", str(runs["clean"] / "run.parquet"), str(runs["planted"] / "run.parquet"))
+    ba = python_m("harness", "diff", str(runs["planted"] / "run.parquet"), str(runs["clean"] / "run.parquet"))
+    assert ab.returncode == ba.returncode == 1, ab.stdout + ba.stdout
+    assert "Traceback" not in ab.stderr + ba.stderr
+    moved = _diff_lines(ab.stdout)
+    assert moved and moved == _diff_lines(ba.stdout)  # the same cells, whichever run comes first
+    assert all(" tp2xdp1 " in line for line in moved), moved
+    assert f"{SCN} tp2xdp1 per_sequence_policy[" in ab.stdout
+
+
+def _without(df: pd.DataFrame, what: str) -> pd.DataFrame:
+    if what == "everything":
+        return df.iloc[:0]
+    if what == "a scenario":
+        return df[df["scenario"] != "identity"]
+    if what == "a layout":
+        return df[df["topology"] != "tp1xdp2"]
+    return df.drop(index=df.index[(df["field"] == "per_sequence_kl") & (df["index"] == 3)][:1])  # a row
+
+
+@pytest.mark.parametrize("what", ["everything", "a scenario", "a layout", "a row"])
+def test_diff_counts_rows_on_one_side_only_as_missing(runs, tmp_path, capsys, what):
+    df, meta = read_table(runs["clean"] / "run.parquet")
+    write_table(_without(df, what).to_dict("records"), tmp_path / "run.parquet", meta)
+    mine, clean = tmp_path / "run.parquet", runs["clean"] / "run.parquet"
+    for a, b in ((mine, clean), (clean, mine)):
+        proc = cli(capsys, "harness", "diff", str(a), str(b))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "missing" in proc.stdout and "identical" not in proc.stdout.splitlines()[-1]
+        assert not re.search(r"\bnan\b", proc.stdout, re.I)
+
+
+def test_diff_accepts_run_folders(runs, capsys):
+    proc = cli(capsys, "harness", "diff", str(runs["clean"]), str(runs["clean"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == "identical"
+
+
+# --- one line and exit code 2 for a user mistake ---------------------------------------------------------------------
+
+def _not_a_run(tmp_path: Path) -> Path:
+    folder = tmp_path / "not_a_run"
+    folder.mkdir()
+    (folder / "summary.csv").write_text("scenario,topology\n")
+    return folder
+
+
+USAGE = [  # (module, arguments, what the line must name); {tmp} is a scratch folder, {not_a_run} a folder without run
+    ("harness", ["run", "--max-world", "0"], "--max-world: expected an integer >= 1, got 0"),
+    ("harness", ["run", "--max-world", "2", "--scenarios", "identity", "--plant-drift", "tp9xdp9"],
+     "--plant-drift: expected one of this run's layouts (tp1xdp1, tp2xdp1, tp1xdp2), got tp9xdp9"),
+    ("harness", ["run", "--max-world", "2", "--scenarios", "identity", "--plant-drift", "tp4xdp1"],
+     "--plant-drift: expected one of this run's layouts (tp1xdp1, tp2xdp1, tp1xdp2), got tp4xdp1"),
+    ("harness", ["run", "--scenarios", "identity", "--plant-drift", "tp2"], "--plant-drift: expected a layout"),
+    ("harness", ["run", "--scenarios", "identity,nope"], "--scenarios: expected names from"),
+    ("harness", ["run", "--scenarios", "identity", "--timeout", "0"], "--timeout: expected a number of seconds > 0"),
+    ("harness", ["diff", "{tmp}/absent", "{tmp}/absent"], "a: expected a run folder or a run.parquet file, got"),
+    ("harness", ["diff", "{not_a_run}", "{not_a_run}"], "a: expected a run folder or a run.parquet file, got"),
+    ("harness", ["diff", "{not_a_run}/summary.csv", "{not_a_run}"], "not a Parquet file"),
+    ("reports", ["study", "--seeds", "0", "--out", "{tmp}/study"], "--seeds: expected an integer >= 1, got 0"),
+    ("reports", ["drift", "{tmp}/absent", "{not_a_run}", "--out", "{tmp}/r"],
+     "a: expected a run folder or a run.parquet file, got"),
+]
+if not torch.cuda.is_available():
+    USAGE += [("harness", ["run", "--device", "cuda", "--scenarios", "identity"], "--device: expected cpu"),
+              ("harness", ["goldens", "--device", "cuda", "--allow-dirty", "--golden-dir", "{tmp}/g"],
+               "--device: expected cpu")]
+
+
+@pytest.mark.parametrize("module,args,names", USAGE, ids=[" ".join(u[1][:3]) for u in USAGE])
+def test_user_mistakes_get_one_line_and_exit_2(tmp_path, capsys, module, args, names):
+    fill = {"tmp": str(tmp_path), "not_a_run": str(_not_a_run(tmp_path))}
+    argv = [a.format(**fill) for a in args]
+    # Two through a real interpreter (what a user sees), the others in this process (the same code, faster).
+    real = args == ["run", "--max-world", "0"] or args[:2] == ["diff", "{tmp}/absent"]
+    proc = python_m(module, *argv) if real else cli(capsys, module, *argv)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], proc.stderr
+    assert not (tmp_path / "g").exists()  # nothing recorded
+
+
+def test_torchrun_is_detected_from_its_environment(tmp_path):
+    """Without `--torchrun`: one world across the torchrun processes, not one world per process."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "harness",
+                           "run", "--scenarios", "identity", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("on cpu (gloo, world") == 1 and "(gloo, world 2)" in proc.stdout
+    assert "vs golden: identical=3" in proc.stdout
+
+
+# --- golden verification ---------------------------------------------------------------------------------------------
+
+def _copy_golden(tmp_path: Path) -> Path:
+    gold = tmp_path / "golden"
+    shutil.copytree(GOLDEN, gold)
+    return gold
+
+
+def _manifest(gold: Path) -> dict:
+    return json.loads((gold / "MANIFEST.json").read_text())
+
+
+def _set_manifest(gold: Path, manifest: dict) -> None:
+    (gold / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def _rehash(gold: Path) -> None:
+    """Brings the manifest's hashes up to date, so that a tampered file meets the check under test, not sha256."""
+    m = _manifest(gold)
+    for name, entry in m["files"].items():
+        if (gold / name).is_file():
+            entry["sha256"] = hashlib.sha256((gold / name).read_bytes()).hexdigest()
+    _set_manifest(gold, m)
+
+
+def _edit_file(gold: Path, name: str, edit, meta_edit=None) -> None:
+    """Rewrites one golden file through `edit(DataFrame)` (raw pyarrow: no validation on the way), then rehashes."""
+    table = pq.read_table(gold / name)
+    meta = json.loads(table.schema.metadata[b"grpo_core"])
+    if meta_edit:
+        meta_edit(meta)
+    df = edit(table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get))
+    out = pa.Table.from_pandas(df, preserve_index=False)
+    pq.write_table(out.replace_schema_metadata({b"grpo_core": json.dumps(meta).encode()}), gold / name)
+    _rehash(gold)
+
+
+def _manifest_edit(fn):
+    def tamper(gold: Path) -> None:
+        m = _manifest(gold)
+        fn(m)
+        _set_manifest(gold, m)
+    return tamper
+
+
+def _row(df: pd.DataFrame, field: str, index: int):
+    return (df["field"] == field) & (df["index"] == index)
+
+
+def _edited(df: pd.DataFrame, mask, column: str, value) -> pd.DataFrame:
+    df = df.copy()
+    df.loc[mask, column] = value
+    return df
+
+
+def _another_math(gold: Path) -> None:
+    """Every file and the manifest agree on a math version that is not this code's."""
+    def older(meta: dict) -> None:
+        meta["provenance"]["math_version"] = "grpo-core-math-0"
+    for f in gold.glob("*.parquet"):
+        _edit_file(gold, f.name, lambda d: d, older)
+    _manifest_edit(lambda m: older(m))(gold)
+
+
+F = f"{SCN}.parquet"
+TAMPERS = {  # name: (tamper, the check that must name it)
+    "manifest hash edited": (_manifest_edit(lambda m: m["files"][F].update(sha256="0" * 64)), "sha256"),
+    "file bytes changed": (lambda g: (g / F).write_bytes((g / F).read_bytes()[:-9] + b"x" * 9), "sha256"),
+    "manifest platform edited": (_manifest_edit(lambda m: m.update(platform="cuda-nvidia-h200")), "platform"),
+    "manifest deleted": (lambda g: (g / "MANIFEST.json").unlink(), "manifest"),
+    "manifest not JSON": (lambda g: (g / "MANIFEST.json").write_text("{\n"), "manifest"),
+    "manifest without files": (_manifest_edit(lambda m: m.pop("files")), "manifest"),
+    "manifest lists 1 of 10 files": (_manifest_edit(lambda m: m.update(files={F: m["files"][F]})), "file list"),
+    "listed file deleted": (lambda g: (g / F).unlink(), "file list"),
+    "unlisted file added": (lambda g: shutil.copy(g / F, g / "extra.parquet"), "file list"),
+    "manifest math_version edited": (_manifest_edit(lambda m: m["provenance"].update(math_version="x")),
+                                     "math_version"),
+    "manifest fingerprint edited": (_manifest_edit(lambda m: m["files"][F].update(fingerprint="0" * 32)),
+                                    "fingerprint"),
+    "file truncated": (lambda g: ((g / F).write_bytes((g / F).read_bytes()[:500]), _rehash(g)), "readable"),
+    "zero-byte file": (lambda g: ((g / F).write_bytes(b""), _rehash(g)), "readable"),
+    "bits renamed": (lambda g: _edit_file(g, F, lambda d: d.rename(columns={"bits": "bit"})), "schema"),
+    "bits as strings": (lambda g: _edit_file(g, F, lambda d: d.assign(bits=d["bits"].astype(str))), "schema"),
+    "index as floats": (lambda g: _edit_file(g, F, lambda d: d.assign(index=d["index"] + 0.5)), "schema"),
+    "value edited, bits intact": (lambda g: _edit_file(
+        g, F, lambda d: _edited(d, _row(d, "per_sequence_kl", 3), "value", 0.125)), "value vs bits"),
+    "bits edited, value intact": (lambda g: _edit_file(
+        g, F, lambda d: _edited(d, _row(d, "loss", -1), "bits", 0x3E000000)), "value vs bits"),
+    "count value edited": (lambda g: _edit_file(
+        g, F, lambda d: _edited(d, _row(d, "per_sequence_active_tokens", 0), "value", 99.0)), "value vs bits"),
+    "exact duplicate row": (lambda g: _edit_file(g, F, lambda d: pd.concat([d, d.iloc[[5]]])), "unique keys"),
+    "row of another scenario": (lambda g: _edit_file(
+        g, F, lambda d: _edited(d, _row(d, "loss", -1), "scenario", "identity")), "scenario"),
+    "another topology": (lambda g: _edit_file(g, F, lambda d: d.assign(topology="tp2xdp1")), "topology"),
+    "unknown field": (lambda g: _edit_file(g, F, lambda d: _edited(d, _row(d, "kl", -1), "field", "kl2")), "fields"),
+    "bad digest": (lambda g: _edit_file(
+        g, F, lambda d: _edited(d, _row(d, "grad_digest", 1), "digest", "not-a-digest")), "digest"),
+    "file platform edited": (lambda g: _edit_file(g, F, lambda d: d, lambda m: m.update(platform="cuda-x")),
+                             "platform"),
+    "file math_version edited": (lambda g: _edit_file(
+        g, F, lambda d: d, lambda m: m["provenance"].update(math_version="x")), "math_version"),
+    "another math, consistently": (lambda g: _another_math(g), "math_version"),
+}
+
+
+def test_checked_in_golden_verifies():
+    from harness.golden import verify_golden
+    rows, provenance = verify_golden(GOLDEN)
+    assert rows["scenario"].nunique() == 10 and set(provenance) == set(rows["scenario"])
+
+
+@pytest.mark.parametrize("name", list(TAMPERS))
+def test_tampered_golden_is_caught_by_the_named_check(tmp_path, name):
+    from harness.golden import verify_golden
+    from harness.record import TableError
+    tamper, check = TAMPERS[name]
+    gold = _copy_golden(tmp_path)
+    tamper(gold)
+    with pytest.raises(TableError) as err:
+        verify_golden(gold)
+    assert err.value.check == check, str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["manifest deleted", "zero-byte file", "value edited, bits intact",
+                                  "bits as strings", "manifest lists 1 of 10 files"])
+def test_the_gate_fails_on_a_tampered_golden_in_one_sentence(tmp_path, capsys, name):
+    tamper, check = TAMPERS[name]
+    gold = _copy_golden(tmp_path)
+    tamper(gold)
+    proc = cli(capsys, "harness", "run", "--max-world", "1", "--scenarios", SCN, "--golden-dir", str(gold), "--out",
+                    str(tmp_path / "run"))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert f"golden {check}:" in proc.stderr and "python -m harness goldens" in proc.stderr
+
+
+def test_a_row_missing_from_the_golden_is_reported_as_missing(tmp_path):
+    gold = _copy_golden(tmp_path)
+    _edit_file(gold, F, lambda d: d[~_row(d, "per_sequence_kl", 3)])
+    proc = python_m("harness", "run", "--max-world", "1", "--scenarios", SCN, "--golden-dir", str(gold), "--out",
+                    str(tmp_path / "run"))
+    assert proc.returncode == 1
+    assert f"{SCN} tp1xdp1 per_sequence_kl[3]: missing in the reference" in proc.stderr
+    assert not re.search(r"\bnan\b", proc.stderr, re.I) and "determinism: FAILED (1 problem)\n" in proc.stdout
+
+
+def test_recording_some_goldens_keeps_the_others(tmp_path):
+    gold = _copy_golden(tmp_path)
+    proc = python_m("harness", "goldens", "--scenarios", "identity", "--allow-dirty", "--golden-dir", str(gold))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    files = _manifest(gold)["files"]
+    assert sorted(files) == sorted(p.name for p in gold.glob("*.parquet")) and len(files) == 10
+    for name, entry in files.items():
+        assert entry["sha256"] == hashlib.sha256((gold / name).read_bytes()).hexdigest(), name
+    old, _ = read_table(GOLDEN / "identity.parquet")
+    new, _ = read_table(gold / "identity.parquet")
+    assert np.array_equal(old["bits"].fillna(0).to_numpy(), new["bits"].fillna(0).to_numpy())
+
+
+# --- reports ---------------------------------------------------------------------------------------------------------
+
+def _md_table(md: str, heading: str) -> list[list[str]]:
+    """The rows of the Markdown table under `## heading`."""
+    section = md.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_drift_report_puts_drift_first_shows_the_plant_and_embeds_its_figures(runs, tmp_path):
+    from reports.drift import drift_report
+    diffs = drift_report(str(runs["planted"]), str(runs["clean"] / "run.parquet"), tmp_path)
+    assert set(diffs["topology"]) == {"tp2xdp1"} and (diffs["missing"] == "").all()
+    assert "per_sequence_policy" in set(diffs["field"])
+    md = (tmp_path / "report.md").read_text()
+    rows = _md_table(md, "Scalar versus vector")
+    assert [r[2] for r in rows] == ["drift", "drift", "identical", "identical", "identical", "identical"]
+    assert {r[1] for r in rows[:2]} == {"tp2xdp1"}
+    assert "A = " in md and "(planted: a regrouped token sum at tp2xdp1)" in md and "(planted: nothing)" in md
+    html = (tmp_path / "report.html").read_text()
+    images = re.findall(r'<img src="([^"]*)"', html)
+    assert len(images) == 2 and all(src.startswith("data:image/png;base64,") for src in images)
+    import base64
+    assert all(base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n" for src in images)
+
+
+def test_drift_report_counts_absent_cells_as_missing_not_drift(runs, tmp_path):
+    from reports.drift import drift_report
+    df, meta = read_table(runs["clean"] / "run.parquet")
+    write_table(df[df["scenario"] != "identity"].to_dict("records"), tmp_path / "fewer" / "run.parquet", meta)
+    drift_report(str(runs["planted"]), str(tmp_path / "fewer"), tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    status = {(r[0], r[1]): r[2] for r in _md_table(md, "Scalar versus vector")}
+    assert status[("identity", "tp1xdp1")] == "missing" and status[(SCN, "tp2xdp1")] == "drift"
+    assert list(status.values()).count("drift") == 1 and not re.search(r"\bnan\b", md, re.I)
+    assert "in 1 cell of 6" in md and "3 cells with rows on one side only" in md
+
+
+def test_a_single_moved_value_reads_in_the_singular(runs, tmp_path, capsys):
+    from reports.drift import drift_report
+    df, meta = read_table(runs["clean"] / "run.parquet")
+    row = (df["topology"] == "tp1xdp2") & (df["field"] == "per_sequence_kl") & (df["index"] == 3) & (
+        df["scenario"] == SCN)
+    df.loc[row, "bits"] += 1
+    df.loc[row, "value"] = float(np.array([df.loc[row, "bits"].iloc[0]], np.int32).view(np.float32)[0])
+    write_table(df.to_dict("records"), tmp_path / "one" / "run.parquet", meta)
+    drift_report(str(tmp_path / "one"), str(runs["clean"]), tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "1 value moved in 1 cell of 6" in md
+    proc = cli(capsys, "harness", "diff", str(tmp_path / "one"), str(runs["clean"]))
+    assert proc.returncode == 1 and "FAILED: 1 value moved and 0 rows missing on one side, in 1 cell" in proc.stdout
+
+
+def _integer_ticks(axis) -> bool:
+    lo, hi = axis.get_view_interval()
+    ticks = [t for t in axis.get_ticklocs() if lo <= t <= hi]
+    return bool(ticks) and all(float(t).is_integer() for t in ticks)
+
+
+def test_report_figures_have_titles_and_integer_counts():
+    from reports.drift import moved_by_scenario, study_figure, ulp_histogram
+    moved = pd.DataFrame({"ulp": [1.0, 3.0]})  # two values: a count axis of 0..1 would get ticks 0.2, 0.4, ...
+    cells = pd.DataFrame({"scenario": ["a", "b"], "sequences_moved": [1, 0]})
+    study = pd.DataFrame({"seed": [0, 1, 2], "sequence_values_moved": [3, 0, 1], "loss_moved": [False, False, True]})
+    for fig, counts in ((ulp_histogram(moved), "y"), (moved_by_scenario(cells), "x"), (study_figure(study), "y")):
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        assert ax.get_title(), fig
+        assert _integer_ticks(ax.yaxis if counts == "y" else ax.xaxis), (ax.get_title(), counts)
+    bars = study_figure(study).axes[0].containers
+    assert len(bars) == 2 and [len(b) for b in bars] == [3, 3]  # per seed: vector moved next to scalar moved
+    assert [b.get_height() for b in bars[0]] == [3, 0, 1] and [b.get_height() for b in bars[1]] == [0, 0, 1]
+
+
+def test_regroup_study_draws_vector_versus_scalar_per_seed(tmp_path):
+    from reports.drift import regroup_study
+    summary = regroup_study(2, tmp_path, seq_len=64)
+    assert summary["seeds"] == 2 and 0 <= summary["loss_moved"] <= summary["vector_moved"] <= 2
+    html = (tmp_path / "report.html").read_text()
+    assert (tmp_path / "study.png").stat().st_size > 0 and html.count('<img src="data:image/png;base64,') == 1
+    assert "over 2 seeds" in (tmp_path / "report.md").read_text()
+
+
+def test_goldens_refuse_a_working_tree_with_uncommitted_changes(tmp_path):
+    """The manifest names the commit that recorded the goldens, so a dirty tree is refused unless asked."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, capture_output=True, timeout=120)
+    with open(clone / "harness" / "scenarios.py", "a") as f:
+        f.write("\n# an uncommitted change\n")
+    gold = tmp_path / "golden"
+    shutil.copytree(GOLDEN, gold)
+    before = {p.name: p.read_bytes() for p in gold.iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "harness", "goldens", "--golden-dir", str(gold)], cwd=clone,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--allow-dirty: expected a clean working tree or the flag, got uncommitted changes" in line
+    assert "-dirty" in line and {p.name: p.read_bytes() for p in gold.iterdir()} == before
