@@ -33,7 +33,7 @@ from .scenarios import SCENARIOS
 from .topology import layouts, run_torchrun, run_world
 
 PROVENANCE_KEYS = ("git_commit", "math_version", "machine", "cpu_model", "cpu_capability", "device", "device_type",
-                   "torch", "triton", "python", "process_group", "threads_per_rank")
+                   "torch", "triton", "python", "process_group", "kernels", "threads_per_rank")
 
 
 def platform_name(device: str) -> str:
@@ -53,8 +53,11 @@ def _scenarios(args) -> list[str]:
 def _check_device(args) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device: expected cpu (torch {torch.__version__} sees no CUDA device here), got cuda")
-    if args.device == "cpu" and args.backend == "nccl":
-        raise UsageError("--backend: expected gloo with --device cpu (NCCL needs GPUs), got nccl")
+    if args.kernels == "triton" and args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UsageError("--kernels: expected auto or torch with --device cpu (the Triton kernels need CUDA, or "
+                         "TRITON_INTERPRET=1 for the CPU interpreter), got triton")
+    if args.device == "cpu" and args.process_group == "nccl":
+        raise UsageError("--process-group: expected gloo with --device cpu (NCCL needs GPUs), got nccl")
 
 
 def _world(args) -> int:
@@ -73,11 +76,11 @@ def _world(args) -> int:
 
 
 def _record(args, names: list[str], layout_names: list[str], world: int) -> dict | None:
-    call = (names, layout_names, getattr(args, "plant_drift", None), True)
+    call = (names, layout_names, getattr(args, "plant_drift", None), args.kernels, True)
     if args.torchrun:
         return run_torchrun(world_run, *call, device=args.device, timeout_s=args.timeout,
                             memory_fraction=args.cuda_memory_fraction)
-    return run_world(world_run, world, *call, device=args.device, backend=args.backend, timeout_s=args.timeout,
+    return run_world(world_run, world, *call, device=args.device, backend=args.process_group, timeout_s=args.timeout,
                      memory_fraction=args.cuda_memory_fraction)[0]
 
 

@@ -81,8 +81,11 @@ def harness_parser(description: str | None = None) -> Parser:
     for name in ("run", "goldens"):
         s = sub.add_parser(name)
         s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-        s.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+        s.add_argument("--process-group", choices=["gloo", "nccl"], default=None,
                        help="default: gloo on the CPU; NCCL with one GPU per rank; gloo when ranks share a GPU")
+        s.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
+                       help="the deterministic path's kernels: auto (Triton for CUDA tensors), the Triton kernels, or "
+                            "the torch reference; all must give the golden's bits")
         s.add_argument("--scenarios", default=None, help="comma-separated names (default: all)")
         s.add_argument("--timeout", type=positive_float, default=600.0,
                        help="seconds before a hung world is killed")

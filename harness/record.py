@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from grpo_core.contract import MATH_VERSION
+from grpo_core import raise_pending
 from grpo_core.distributed import DistributedGRPOLossOp
 
 from .cli import UsageError
@@ -107,8 +108,9 @@ def run_case(scn: Scenario, inputs: dict, layout: Layout, tp_rank: int, dp_rank:
 
 
 def world_run(ctx: RankContext, scenario_names: list[str], layout_names: list[str], plant_drift: str | None,
-              progress: bool) -> dict | None:
-    """Every scenario on every layout inside one world; rank 0 returns the rows, the guards and the provenance."""
+              kernels: str, progress: bool) -> dict | None:
+    """Every scenario on every layout inside one world, with the deterministic path's `kernels`; rank 0 returns
+    the rows, the guards and the provenance. Deferred value checks are read before returning."""
     lays = [Layout.parse(n) for n in layout_names]
     steps, done, rows, guards = len(scenario_names) * len(lays), 0, [], {}
     for name in scenario_names:
@@ -117,7 +119,7 @@ def world_run(ctx: RankContext, scenario_names: list[str], layout_names: list[st
         for lay in lays:
             place = ctx.place(lay)
             if place is not None:
-                op = RegroupedTokenSumOp() if lay.name == plant_drift else DistributedGRPOLossOp()
+                op = RegroupedTokenSumOp() if lay.name == plant_drift else DistributedGRPOLossOp(kernels)
                 got = run_case(scn, inputs, lay, place.tp_rank, place.dp_rank, place.tp_group, place.dp_group,
                                ctx.device, op)
                 if ctx.rank == 0:
@@ -129,23 +131,24 @@ def world_run(ctx: RankContext, scenario_names: list[str], layout_names: list[st
                 print(f"\r[{bar:<30}] {done}/{steps} {name:<28} {lay.name:<10}", end=end, file=sys.stderr,
                       flush=True)
         if ctx.rank == 0:
-            guards[name] = _guard(scn, inputs, ctx.device)
+            guards[name] = _guard(scn, inputs, ctx.device, kernels)
     if progress and ctx.rank == 0 and sys.stderr.isatty():
         print(file=sys.stderr)
+    raise_pending()  # a value check the Triton kernels deferred must not outlive the run
     if ctx.rank != 0:
         return None
-    return {"rows": rows, "guards": guards, "provenance": provenance(ctx)}
+    return {"rows": rows, "guards": guards, "provenance": {**provenance(ctx), "kernels": kernels}}
 
 
-def _guard(scn: Scenario, inputs: dict, device: torch.device) -> str | None:
+def _guard(scn: Scenario, inputs: dict, device: torch.device, kernels: str) -> str | None:
     """A scenario's own sanity check; returns an error string, or None when it holds."""
     if scn.wide:  # the vacuity guard: regrouping the token sum must visibly change bits on these inputs
-        base = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp())
+        base = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp(kernels))
         moved = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, RegroupedTokenSumOp())
         if all(a["bits"] == b["bits"] for a, b in zip(base, moved) if a["field"] == "per_sequence_policy"):
             return "vacuous: regrouping the token sum changed no per-sequence bit on the wide-exponent inputs"
     if scn.identity:
-        rows = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp())
+        rows = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp(kernels))
         kl_bits = [r["bits"] for r in rows if r["field"] in ("kl", "per_sequence_kl")]
         if any(kl_bits):
             return "identity: KL is not exactly 0.0 with reference == policy"

@@ -9,6 +9,7 @@ import importlib
 import json
 import re
 import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -416,3 +417,22 @@ def test_goldens_refuse_a_working_tree_with_uncommitted_changes(tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert "--allow-dirty: expected a clean working tree or the flag, got uncommitted changes" in line
     assert "-dirty" in line and {p.name: p.read_bytes() for p in gold.iterdir()} == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the Triton kernels run on CUDA tensors")
+def test_triton_kernels_on_the_cpu_need_the_interpreter(monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", "--kernels", "triton", "--scenarios", "identity"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--kernels: expected auto or torch with --device cpu" in proc.stderr
+    from grpo_core import LossContractError
+    from grpo_core.distributed import DistributedGRPOLossOp
+    from harness.scenarios import SCENARIOS
+    monkeypatch.delenv("TRITON_INTERPRET")
+    scn = SCENARIOS["identity"]
+    inp = scn.inputs()
+    with pytest.raises(LossContractError, match="kernels: 'triton' needs CUDA tensors"):
+        DistributedGRPOLossOp(kernels="triton").apply(
+            inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"], contract=scn.contract(),
+            completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"])

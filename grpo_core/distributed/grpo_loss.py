@@ -13,6 +13,7 @@ extra memory is one gradient in the logits' dtype plus `O(tokens * vocab / tile_
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -93,6 +94,9 @@ class DistributedGRPOLossOp:
                 return False
             raise LossContractError(f"vocab_tile: the Triton kernels take tiles of at most {MAX_TILE} columns, got "
                                     f"{tile_width}; use kernels='torch'")
+        if self.kernels == "triton" and not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise LossContractError(f"kernels: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                                    f"interpreter), got policy_local_logits on {logits.device}; use kernels='torch'")
         return True
 
     @staticmethod
