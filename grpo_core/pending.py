@@ -22,7 +22,7 @@ import torch
 
 from .contract import LossContractError
 
-__all__ = ["defer", "raise_pending"]
+__all__ = ["defer", "raise_now", "raise_pending"]
 
 
 @dataclass
@@ -62,6 +62,13 @@ def raise_pending() -> None:
         if bool(check.flags.any()):
             _pending.clear()
             _raise(check.call, check.label, check.recheck)
+
+
+def raise_now(flags: torch.Tensor, recheck: Callable[[], None]) -> None:
+    """The synchronous variant: one device sync; `recheck()`'s error as it is (the call itself raises)."""
+    if bool(flags.any()):
+        recheck()
+        raise LossContractError("the kernels flagged a bad input value that the host check did not find")
 
 
 def _raise(call: int, label: str, recheck: Callable[[], None]) -> None:

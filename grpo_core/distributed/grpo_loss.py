@@ -241,9 +241,10 @@ class DistributedGRPOLossOp:
             raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward or old "
                                     f"log-prob, or a non-finite log-prob) on another rank, which names it")
 
-        pending.defer(flags.any(), recheck, "grpo_loss (distributed, triton kernels)")
         if check_values == "sync":
-            pending.raise_pending()
+            pending.raise_now(flags, recheck)
+        else:
+            pending.defer(flags.any(), recheck, "grpo_loss (distributed, triton kernels)")
 
     @staticmethod
     def _triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group, clip_lo, clip_hi):

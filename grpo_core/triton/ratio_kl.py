@@ -375,9 +375,10 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
         mask = check_inputs(*shapes, *kept, beta=beta, rewards_required=rewards is not None)
         check_logprobs(logp, logp_ref, mask)
 
-    pending.defer(bad, recheck, label)
     if check_values == "sync":
-        pending.raise_pending()
+        pending.raise_now(bad, recheck)
+    else:
+        pending.defer(bad, recheck, label)
 
 
 class TritonRatioKLOp:

@@ -1,0 +1,132 @@
+"""Every backend agrees, or raises the same error: a property test over shapes, dtypes, layouts, masks, options
+and a sprinkling of bad values.
+
+For each draw, the native op, the fast Triton op and the deterministic path at 1x1 (torch kernels, and Triton
+kernels) either all raise `LossContractError` with the same message, or all return results within the dtype's
+tolerance of the native op. CI runs a fixed budget (Triton under the interpreter); `GRPO_PROPERTY_EXAMPLES` raises
+it (the GPU run uses 200). A failing draw becomes a regular test below."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import HAS_CUDA, assert_close_verbose, make_inputs
+from grpo_core import GRPOLossContract, LossContractError, kernel_registry
+from grpo_core.distributed import DistributedGRPOLossOp
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+EXAMPLES = int(os.environ.get("GRPO_PROPERTY_EXAMPLES", 200 if HAS_CUDA else 12))
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+BAD = ["id_high", "id_negative", "old_nan", "reward_inf", "mask_two", "logit_nan", "logit_inf", "action_minus_inf",
+       "ref_nan"]
+native = kernel_registry.get_op("grpo_loss", backend="native")
+fast = kernel_registry.get_op("grpo_loss", backend="triton")
+
+
+def relayout(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """The same values in another memory layout."""
+    if kind == "transposed":
+        return t.transpose(0, -1).contiguous().transpose(0, -1)
+    if kind == "sliced":
+        return torch.cat([t, torch.zeros_like(t)], -1)[..., :t.shape[-1]]
+    if kind == "offset":
+        return torch.cat([torch.zeros(1, dtype=t.dtype, device=t.device), t.reshape(-1)])[1:].view(t.shape)
+    return t
+
+
+def case(draw) -> tuple[dict, dict, str | None]:
+    groups = draw(st.sampled_from([(1, "none"), (2, "population"), (3, "unbiased"), ("csr", "population"),
+                                   ("csr", "none")]))
+    T, V = draw(st.sampled_from([1, 2, 5])), draw(st.sampled_from([1, 3, 17, 130]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    B = 6
+    inp = make_inputs(B, T, V, seed=draw(st.integers(0, 10**6)), dtype=dtype, active=draw(st.sampled_from([0.3, 0.9])),
+                      wide=draw(st.booleans()), empty_rows=draw(st.sampled_from([(), (1,), (0, 5)])), device=DEV)
+    opts = dict(beta=draw(st.sampled_from([0.0, 0.04])), clip_eps=0.2,
+                clip_eps_high=draw(st.sampled_from([0.2, 0.28])),
+                normalizer=draw(st.sampled_from(["global_active_tokens", "per_sequence_then_mean", "fixed_constant"])),
+                advantage_std=groups[1])
+    opts["normalizer_constant"] = 9.0 if opts["normalizer"] == "fixed_constant" else None
+    opts.update(group_boundaries=(0, 2, 6) if groups[0] == "csr" else None,
+                samples_per_prompt=None if groups[0] == "csr" else groups[0])
+    if opts["beta"] == 0.0 and draw(st.booleans()):
+        inp["ref_logits"] = None
+    for name in ("policy_logits", "action_ids", "old_logps", "rewards", "completion_mask"):
+        inp[name] = relayout(inp[name], draw(st.sampled_from(["dense", "transposed", "sliced", "offset"])))
+    bad = draw(st.sampled_from([None] * 4 + BAD))
+    active = inp["completion_mask"].nonzero()
+    if bad is not None and len(active):
+        b, t = active[draw(st.integers(0, len(active) - 1))].tolist()
+        if bad == "id_high":
+            inp["action_ids"][b, t] = V
+        elif bad == "id_negative":
+            inp["action_ids"][b, t] = -1
+        elif bad == "old_nan":
+            inp["old_logps"][b, t] = float("nan")
+        elif bad == "reward_inf":
+            inp["rewards"][b] = float("inf")
+        elif bad == "mask_two":
+            inp["completion_mask"] = inp["completion_mask"].to(torch.int32)
+            inp["completion_mask"][b, t] = 2
+        elif bad in ("logit_nan", "logit_inf"):
+            inp["policy_logits"][b, t, draw(st.integers(0, V - 1))] = float("nan" if bad == "logit_nan" else "inf")
+        elif bad == "action_minus_inf":
+            inp["policy_logits"][b, t, inp["action_ids"][b, t]] = float("-inf")
+        elif bad == "ref_nan" and inp["ref_logits"] is not None:
+            inp["ref_logits"][b, t, 0] = float("nan")
+    return inp, opts, bad
+
+
+def run_all(inp: dict, opts: dict) -> dict[str, tuple | str]:
+    """Each backend's `(loss, policy_loss, kl, grad)` or its LossContractError message."""
+    B, T, V = inp["policy_logits"].shape
+
+    def contract() -> GRPOLossContract:
+        return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V,
+                                determinism_scope="topology_invariant", **{k: v for k, v in opts.items() if v is not None})
+
+    calls = {
+        "native": lambda call: tuple(native(**call, **opts)),
+        "triton": lambda call: tuple(fast(**call, **opts, check_values="sync")),
+    }
+    for kernels in ("torch", "triton"):
+        op = DistributedGRPOLossOp(kernels=kernels)
+        calls[f"deterministic_{kernels}"] = lambda call, op=op: tuple(op.apply(
+            call["policy_logits"], call["action_ids"], call["old_logps"], call["rewards"], contract=contract(),
+            completion_mask=call["completion_mask"], ref_local_logits=call["ref_logits"], check_values="sync"))
+    out = {}
+    for name, fn in calls.items():
+        x = inp["policy_logits"].detach().clone().requires_grad_(True)
+        try:
+            loss, pol, kl = fn({**inp, "policy_logits": x})
+            loss.backward()
+            out[name] = (loss.detach(), pol, kl, x.grad)
+        except LossContractError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def check(inp: dict, opts: dict, bad: str | None) -> None:
+    out = run_all(inp, opts)
+    errors = {k: v for k, v in out.items() if isinstance(v, str)}
+    if errors:
+        assert len(errors) == len(out), f"{bad}: only {sorted(errors)} raised: {errors}"
+        assert len(set(errors.values())) == 1, f"{bad}: different messages: {errors}"
+        return
+    atol, rtol = TOL[inp["policy_logits"].dtype]
+    want = out["native"]
+    for name, got in out.items():
+        for what, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, want):
+            assert_close_verbose(a.float(), b.float(), atol=atol, rtol=rtol, what=f"{name} {what} ({bad})")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_backends_agree_or_raise_the_same_error(data):
+    check(*case(data.draw))
