@@ -118,6 +118,8 @@ def world_suite(ctx) -> dict:
                                                        p.dp_group)) == "NO ERROR"
     wrong = {**inp, "rewards": torch.randn(S)} if ctx.rank == 2 else inp  # rank 2 passes both
     out["errors"]["both"] = _error(lambda: run_local(wrong, c, dev, p.tp_group, p.dp_group))
+    wide = {**inp, "advantages": inp["advantages"].double()} if p.dp_rank == 1 else inp  # DP peers: other dtype
+    out["errors"]["dp_dtype"] = _error(lambda: run_local(wide, c, dev, p.tp_group, p.dp_group))
     return out
 
 
@@ -137,10 +139,14 @@ def test_every_layout_gives_the_single_rank_bits_with_the_migration_options(worl
     assert all(res["kernels"] == {"torch"} for res in world)
 
 
-def test_preflight_compares_the_advantages_tp_siblings_hold(world):
+def test_preflight_compares_the_advantages_peers_hold(world):
+    """TP siblings: the same values where active tokens read them (masked ones may differ); DP peers: the same
+    dtype, device and shape but for the sequences; and every rank gives exactly one of rewards / advantages."""
     for r, res in enumerate(world):
         assert "every rank of a TP group must pass the same ones" in res["errors"]["tp_advantages"], (r, res)
         assert "rewards / advantages: expected exactly one of them, got both" in res["errors"]["both"], (r, res)
+        msg = res["errors"]["dp_dtype"]
+        assert "(dp ranks 0 and 1): preflight: they disagree on advantages" in msg and "'float64'" in msg, (r, msg)
         assert res["masked_junk_runs"], r
 
 
@@ -210,3 +216,18 @@ def test_metrics_on_the_triton_kernels_are_the_torch_bits():
     for f in ("clip_fraction", "mean_ratio", "kl_token_mean", "loss", "grad"):
         assert_bitwise_equal(got["triton"][f], got["torch"][f], f)
     assert 0 < got["torch"]["clip_fraction"].item() < 1
+
+
+def test_grad_output_and_temperature_scale_the_gradient():
+    """`((coef * grad_output) * inv) * (onehot - softmax)`: a loss scaled by 3 gives 3x the gradient (fp32)."""
+    case = CASES[1]
+    inp = case_inputs(case)
+    c = contract_for(case, Layout(1, 1))
+    grads = []
+    for scale in (1.0, 3.0):
+        x = inp["policy_logits"].clone().requires_grad_(True)
+        res = OP.apply(x, inp["action_ids"], inp["old_logps"], inp["rewards"], contract=c,
+                       completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"])
+        (res.loss * scale).backward()
+        grads.append(x.grad)
+    assert_close_verbose(grads[1], 3 * grads[0], atol=1e-9, rtol=1e-6, what="grad of 3 * loss")
