@@ -31,6 +31,7 @@ from .contract import AdvantageStd, TokenNormalizer
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
 TINY = float.fromhex("0x1p-126")  # the smallest normal fp32
 STD_FLOOR = float.fromhex("0x1.0c6f7ap-20")  # fp32(1e-6): the advantage std is clamped to at least this
+STD_EPS = float.fromhex("0x1.a36e2ep-14")  # fp32(1e-4): added to the Bessel std under 'unbiased_eps' (TRL's)
 
 # exp: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite: n * LN2_HI is exact for |n| < 2**8), exp(r) = 1 + r + r^2 q(r)
 LOG2E = float.fromhex("0x1.715476p+0")
@@ -165,7 +166,8 @@ def _group_layout(group_boundaries: tuple[int, ...], device: torch.device) -> tu
 
 
 def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
-    """`(r - mean_g) / max(std_g, fp32(1e-6))` (or `r - mean_g` without std) per CSR group; fp32 `[S]`.
+    """`(r - mean_g) / max(std_g, fp32(1e-6))` (or `r - mean_g` without std) per CSR group; fp32 `[S]`. Under
+    'unbiased_eps' (TRL's): `(r - mean_g) / (sqrt(var_g) + fp32(1e-4))` with the Bessel variance, not clamped.
 
     The groups are laid out as a zero-padded `[G, max_group]` grid and reduced with `pair_sum`, so every rank
     that holds the gathered rewards computes the same bits, on any device."""
@@ -178,6 +180,8 @@ def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], s
         return centered
     dev = torch.where(valid, grid - mean[:, None], 0.0)
     var = pair_sum(dev * dev) / (n if std is AdvantageStd.POPULATION else n - 1.0)
+    if std is AdvantageStd.UNBIASED_EPS:
+        return centered / (sqrt(var) + fp32(STD_EPS, r))[group_of]
     return centered / torch.maximum(sqrt(var), fp32(STD_FLOOR, r))[group_of]
 
 
@@ -185,31 +189,51 @@ def _count(c: torch.Tensor) -> torch.Tensor:
     return c.clamp(min=1).to(F32)
 
 
+def _sequences(counts: torch.Tensor) -> torch.Tensor:
+    """The number of sequences `S` as an fp32 0-d tensor (the batch's, empty sequences included)."""
+    return fp32(float(counts.numel()), counts)
+
+
 def normalize(per_sequence: torch.Tensor, counts: torch.Tensor, normalizer: TokenNormalizer,
               constant: float | None) -> torch.Tensor:
-    """Applies the token normalizer to per-sequence token sums `[S]` (fp32) with integer active counts `[S]`.
+    """Applies the token normalizer to per-sequence token sums `[S]` (fp32) with integer active counts `[S]`;
+    `constant` is `contract.normalizer_value` (the fixed constant, or dr_grpo's max completion length `L`).
 
-    A batch without any active token gives exactly 0.0 (its token sums are all zero; the denominator is 1)."""
+    - global_active_tokens: `pair_sum(sums) / fp32(total active tokens)`;
+    - per_sequence_then_mean: `means = sums / fp32(count)` (0 for an empty sequence), `pair_sum(means) /
+      fp32(non-empty sequences)`; per_sequence_then_batch_mean: the same means, `/ fp32(S)`;
+    - fixed_constant: `pair_sum(sums) / fp32(constant)`; sequences_times_max_length: `pair_sum(sums) / fp32(S * L)`
+      (the integer product, rounded once).
+    A batch without any active token gives exactly 0.0 (its token sums are all zero; the denominator is >= 1)."""
     if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
         return pair_sum(per_sequence) / _count(counts.sum())
-    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
+    if normalizer in (TokenNormalizer.PER_SEQUENCE_THEN_MEAN, TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN):
         active = counts > 0
         means = torch.where(active, per_sequence / _count(counts), 0.0)
+        if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN:
+            return pair_sum(means) / _sequences(counts)
         return pair_sum(means) / _count(active.sum())
     if normalizer is TokenNormalizer.FIXED_CONSTANT:
         return pair_sum(per_sequence) / fp32(constant, per_sequence)
+    if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+        return pair_sum(per_sequence) / fp32(float(counts.numel() * int(constant)), per_sequence)
     raise AssertionError(normalizer)
 
 
 def token_weights(counts: torch.Tensor, normalizer: TokenNormalizer, constant: float | None) -> torch.Tensor:
-    """`d normalize / d token term` of each sequence's tokens, fp32 `[S]` (0 for a sequence without tokens)."""
+    """`d normalize / d token term` of each sequence's tokens, fp32 `[S]` (0 for a sequence without tokens):
+    `1 / denominator` of `normalize`, or for the two per-sequence means `1 / (fp32(count) * fp32(sequences))`."""
     one = torch.ones(counts.shape, dtype=F32, device=counts.device)
     if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
         return one / _count(counts.sum())
     if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
         return torch.where(counts > 0, one / (_count(counts) * _count((counts > 0).sum())), 0.0)
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN:
+        return torch.where(counts > 0, one / (_count(counts) * _sequences(counts)), 0.0)
     if normalizer is TokenNormalizer.FIXED_CONSTANT:
         return one / fp32(constant, one)
+    if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+        return one / fp32(float(counts.numel() * int(constant)), one)
     raise AssertionError(normalizer)
 
 
@@ -239,10 +263,22 @@ def clip_bounds(clip_eps: float, clip_eps_high: float, like: torch.Tensor) -> tu
     return fp32(1.0 - clip_eps, like), fp32(1.0 + clip_eps_high, like)
 
 
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages `[S]` (per sequence) as `[S, 1]` for the token formulas; `[S, T]` (per token) as they are."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
+def used_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Given advantages (fp32 `[S]` or `[S, T]`) with exactly 0.0 where no active token reads them (masked tokens,
+    sequences without an active token), which may hold anything, NaN included: a select, no rounding."""
+    return torch.where(mask if advantages.dim() == 2 else mask.any(-1), advantages, 0.0)
+
+
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
                       hi: torch.Tensor) -> torch.Tensor:
-    """Per-token `-min(ratio * A, clamp(ratio, lo, hi) * A)`, exactly 0.0 on masked tokens."""
-    adv = advantages.unsqueeze(-1)
+    """Per-token `-min(ratio * A, clamp(ratio, lo, hi) * A)`, exactly 0.0 on masked tokens; `A` is `[S]` or
+    `[S, T]`."""
+    adv = _per_token(advantages)
     policy = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
     return torch.where(mask, policy, 0.0)
 
@@ -252,10 +288,35 @@ def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor |
                ) -> torch.Tensor:
     """`d loss / d logp` per token `[S, T]` (before `grad_output`): `(dpolicy + beta * dkl) * weight`, where the
     surrogate's derivative is `-ratio * A` where the unclipped branch is the minimum (ties included) and 0 where
-    the clipped one is, and the k3 KL's is `1 - exp(logp_ref - logp)`; 0.0 on masked tokens."""
-    adv = advantages.unsqueeze(-1)
+    the clipped one is, and the k3 KL's is `1 - exp(logp_ref - logp)`; 0.0 on masked tokens. `A`: `[S]` or
+    `[S, T]`. The caller multiplies by `grad_output`, then by `fp32(1 / temperature)` when it is not 1."""
+    adv = _per_token(advantages)
     unclipped = ratio * adv
     coef = torch.where(unclipped <= torch.clamp(ratio, lo, hi) * adv, -unclipped, 0.0)
     if logp_ref is not None:
         coef = coef + fp32(beta, coef) * (1.0 - exp(torch.where(mask, logp_ref - logp, 0.0)))
     return torch.where(mask, coef * weights.unsqueeze(-1), 0.0)
+
+
+def clipped_tokens(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor) -> torch.Tensor:
+    """TRL's clip indicator, bool `[S, T]`: an active token whose ratio is below `lo` with `A < 0` or above `hi`
+    with `A > 0` (there the clipped branch is the minimum and the token's surrogate gradient is 0)."""
+    adv = _per_token(advantages)
+    return mask & (((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0)))
+
+
+def sequence_metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
+                     hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: the ratio summed over its active tokens (`pair_sum`, fp32 `[S]`) and its clipped tokens (exact
+    int64 `[S]`); `batch_metrics` finishes them once they cover the batch."""
+    return pair_sum(torch.where(mask, ratio, 0.0)), clipped_tokens(ratio, advantages, mask, lo, hi).sum(-1)
+
+
+def batch_metrics(ratio_sums: torch.Tensor, kl_sums: torch.Tensor, clipped: torch.Tensor, counts: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a trainer logs, fp32 scalars over the batch's active tokens `N = fp32(sum counts)` (1 when there is
+    none): `(clip_fraction, mean_ratio, kl_token_mean) = (fp32(sum clipped) / N, pair_sum(ratio_sums) / N,
+    pair_sum(kl_sums) / N)`; integer sums are exact."""
+    tokens = _count(counts.sum())
+    return clipped.sum().to(F32) / tokens, pair_sum(ratio_sums) / tokens, pair_sum(kl_sums) / tokens

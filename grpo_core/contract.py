@@ -7,8 +7,14 @@ agree before any float is exchanged.
 This module also holds every input check that the backends share (`check_options`, `check_inputs`,
 `check_logprobs`), so that one bad input gives the same `LossContractError`, word for word, on every backend:
 an argument of the wrong type, an option that is not a finite float32, a non-finite reward (after the cast to
-float32), old log-prob or selected log-prob at an active token. Masked tokens are never checked: they may
-hold anything.
+float32), old log-prob, given advantage or selected log-prob at an active token. Masked tokens are never
+checked: they may hold anything.
+
+Options added for users of other GRPO implementations (`temperature`, given `advantages`, `loss_type`,
+`advantage_std="unbiased_eps"`) enter the fingerprint only when they differ from their defaults, so that the
+fingerprint of a contract that does not use them, and every golden recorded with one, stays what it was.
+Until the Triton kernels take them, `kernel_pending` names the ones a call sets (the backends refuse them or
+run their torch code, and say so).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 __all__ = [
     "AdvantageStd",
+    "AdvantagesInput",
     "DeterminismScope",
     "GRPOLossContract",
     "LogprobContract",
@@ -46,15 +53,32 @@ class LossContractError(ValueError):
 
 
 class TokenNormalizer(str, enum.Enum):
-    GLOBAL_ACTIVE_TOKENS = "global_active_tokens"
-    PER_SEQUENCE_THEN_MEAN = "per_sequence_then_mean"
-    FIXED_CONSTANT = "fixed_constant"
+    GLOBAL_ACTIVE_TOKENS = "global_active_tokens"  # sum / active tokens of the batch (TRL and Liger: bnpo, dapo)
+    PER_SEQUENCE_THEN_MEAN = "per_sequence_then_mean"  # mean of the per-sequence means of non-empty sequences
+    FIXED_CONSTANT = "fixed_constant"  # sum / normalizer_constant
+    PER_SEQUENCE_THEN_BATCH_MEAN = "per_sequence_then_batch_mean"  # the same means over every sequence (TRL: grpo)
+    SEQUENCES_TIMES_MAX_LENGTH = "sequences_times_max_length"  # sum / (sequences * max length) (TRL: dr_grpo)
+
+
+# TRL's and Liger's `loss_type` names: another spelling of the token normalizer. (TRL's `cispo`, `sapo` and
+# `luspo` change the per-token loss itself, which this op does not compute.)
+LOSS_TYPES = {"grpo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, "bnpo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
+              "dr_grpo": TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH, "dapo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS}
 
 
 class AdvantageStd(str, enum.Enum):
-    POPULATION = "population"
-    UNBIASED = "unbiased"
-    NONE = "none"
+    POPULATION = "population"  # (r - mean) / max(population std, 1e-6)
+    UNBIASED = "unbiased"  # (r - mean) / max(Bessel std, 1e-6)
+    NONE = "none"  # r - mean
+    UNBIASED_EPS = "unbiased_eps"  # (r - mean) / (Bessel std + 1e-4), as TRL computes it
+
+
+class AdvantagesInput(str, enum.Enum):
+    """Which input the loss takes: rewards (the op normalizes them per group) or advantages computed elsewhere."""
+
+    REWARDS = "rewards"  # rewards [B]
+    SEQUENCE = "sequence"  # advantages [B], one per sequence
+    TOKEN = "token"  # advantages [B, T], one per token
 
 
 class DeterminismScope(str, enum.Enum):
@@ -107,6 +131,27 @@ def check_fp32(name: str, value: Any, *, minimum: float, maximum: float = math.i
         raise LossContractError(f"{name}: expected a float that is finite in float32 (at most {FP32_MAX!r}), got "
                                 f"{value!r}, which overflows to inf in float32")
     return value
+
+
+def check_temperature(value: Any) -> float:
+    """`temperature` must be a float > 0 whose reciprocal, rounded once to float32, is a finite normal float32
+    (the logits are multiplied by it): about 2.94e-39 to 8.51e37. Returns the Python float, unrounded."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LossContractError(f"temperature: expected a float, got {type(value).__name__} {value!r}")
+    t = float(value)
+    if math.isfinite(t) and not math.isfinite(to_fp32(t)):
+        raise LossContractError(f"temperature: expected a float that is finite in float32 (at most {FP32_MAX!r}), "
+                                f"got {value!r}, which overflows to inf in float32")
+    inv = to_fp32(1.0 / t) if t > 0.0 and math.isfinite(t) else 0.0
+    if not FP32_TINY <= inv < math.inf:
+        raise LossContractError(f"temperature: expected a finite float > 0 whose reciprocal is a finite normal "
+                                f"float32 (about 2.94e-39 to 8.51e+37), got {value!r}")
+    return t
+
+
+def inverse_temperature(temperature: float) -> float:
+    """`fp32(1 / temperature)`: computed in Python (double) and rounded once; the logits are multiplied by it."""
+    return to_fp32(1.0 / temperature)
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -253,9 +298,13 @@ class GRPOLossContract:
     beta: float = 0.04
     samples_per_prompt: int | None = None
     group_boundaries: tuple[int, ...] | None = None
-    normalizer: TokenNormalizer = TokenNormalizer.GLOBAL_ACTIVE_TOKENS
+    normalizer: TokenNormalizer | None = None  # None: global_active_tokens, or what loss_type says
     normalizer_constant: float | None = None
-    advantage_std: AdvantageStd = AdvantageStd.POPULATION
+    advantage_std: AdvantageStd | None = None  # None: population (rewards); must stay None with given advantages
+    temperature: float = 1.0  # the logits are multiplied by fp32(1 / temperature) before the log-softmax
+    advantages_input: AdvantagesInput = AdvantagesInput.REWARDS
+    loss_type: str | None = None  # TRL / Liger name of the normalizer: 'grpo', 'bnpo', 'dr_grpo' or 'dapo'
+    max_completion_length: int | None = None  # dr_grpo's length (None: padded_seq_len)
     sharding: ShardingSpec | None = None  # None: a single process
     determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
     vocab_tile: int = DEFAULT_VOCAB_TILE
@@ -265,15 +314,23 @@ class GRPOLossContract:
         check_int("num_sequences", self.num_sequences, minimum=1)
         check_int("padded_seq_len", self.padded_seq_len, minimum=1)
         check_int("vocab_size", self.vocab_size, minimum=1)
+        kind = check_enum(AdvantagesInput, "advantages_input", self.advantages_input)
+        _set(self, "advantages_input", kind)
         options = check_options(clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high, beta=self.beta,
                                 normalizer=self.normalizer, normalizer_constant=self.normalizer_constant,
-                                advantage_std=self.advantage_std)
+                                advantage_std=self.advantage_std, temperature=self.temperature,
+                                loss_type=self.loss_type, max_completion_length=self.max_completion_length,
+                                rewards_input=kind is AdvantagesInput.REWARDS)
         for name, value in options.items():
             _set(self, name, value)
         _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
-        groups = check_groups(self.num_sequences, self.samples_per_prompt, self.group_boundaries, self.advantage_std)
-        if self.group_boundaries is not None:
-            _set(self, "group_boundaries", groups)
+        if kind is AdvantagesInput.REWARDS:
+            groups = check_groups(self.num_sequences, self.samples_per_prompt, self.group_boundaries,
+                                  self.advantage_std)
+            if self.group_boundaries is not None:
+                _set(self, "group_boundaries", groups)
+        else:
+            check_no_groups(self.samples_per_prompt, self.group_boundaries)
         check_int("vocab_tile", self.vocab_tile, minimum=1)
 
         sharding = self.sharding
@@ -313,16 +370,39 @@ class GRPOLossContract:
         return self.logprob if self.logprob is not None else self._derived_logprob()
 
     @property
-    def groups(self) -> tuple[int, ...]:
-        """CSR group boundaries, whichever way the groups were declared."""
+    def groups(self) -> tuple[int, ...] | None:
+        """CSR group boundaries, whichever way the groups were declared (None when the advantages are given)."""
         if self.group_boundaries is not None:
             return self.group_boundaries
+        if self.samples_per_prompt is None:
+            return None
         return tuple(range(0, self.num_sequences + 1, self.samples_per_prompt))
 
+    @property
+    def normalizer_value(self) -> float | None:
+        """The constant of the normalizer (`canonical.normalize`'s `constant`): `normalizer_constant` for
+        fixed_constant, the max completion length for sequences_times_max_length, else None."""
+        return normalizer_value(self.normalizer, self.normalizer_constant, self.max_completion_length,
+                                self.padded_seq_len)
+
+    def kernel_pending(self) -> list[tuple[str, str]]:
+        """The options this contract sets that the Triton kernels do not take yet (see `kernel_pending`)."""
+        return kernel_pending(temperature=self.temperature, advantages_input=self.advantages_input,
+                              normalizer=self.normalizer, advantage_std=self.advantage_std, loss_type=self.loss_type)
+
     def numeric_fields(self) -> dict[str, Any]:
-        """The fields that change the numbers, rank indices left out, floats as exact hex strings."""
+        """The fields that change the numbers, rank indices left out, floats as exact hex strings. The options
+        added for migration appear only when they differ from their defaults (old fingerprints stay valid)."""
         s = self.sharding
-        return {
+        groups = self.groups
+        extra: dict[str, Any] = {}
+        if self.temperature != 1.0:
+            extra["temperature"] = self.temperature.hex()
+        if self.advantages_input is not AdvantagesInput.REWARDS:
+            extra["advantages_input"] = self.advantages_input.value
+        if self.normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+            extra["max_completion_length"] = int(self.normalizer_value)
+        return {**extra,
             "math_version": MATH_VERSION,
             "num_sequences": self.num_sequences,
             "padded_seq_len": self.padded_seq_len,
@@ -330,10 +410,10 @@ class GRPOLossContract:
             "clip_eps": self.clip_eps.hex(),
             "clip_eps_high": self.clip_eps_high.hex(),
             "beta": self.beta.hex(),
-            "group_boundaries": list(self.groups),
+            "group_boundaries": None if groups is None else list(groups),
             "normalizer": self.normalizer.value,
             "normalizer_constant": None if self.normalizer_constant is None else self.normalizer_constant.hex(),
-            "advantage_std": self.advantage_std.value,
+            "advantage_std": None if self.advantage_std is None else self.advantage_std.value,
             "determinism_scope": self.determinism_scope.value,
             "vocab_tile": self.vocab_tile,
             "tp_world_size": s.tp_world_size,
@@ -388,6 +468,80 @@ def check_groups(num_sequences: int, samples_per_prompt: Any, group_boundaries: 
     return bounds
 
 
+def check_no_groups(samples_per_prompt: Any, group_boundaries: Any) -> None:
+    """With given advantages nothing is normalized per group: a group option would be ignored, so it is refused."""
+    for name, value in (("samples_per_prompt", samples_per_prompt), ("group_boundaries", group_boundaries)):
+        if value is not None:
+            raise LossContractError(f"{name}: only used to normalize rewards per group, but the advantages are given; "
+                                    f"leave it None, got {value!r}")
+
+
+def resolve_normalizer(loss_type: Any, normalizer: Any) -> TokenNormalizer:
+    """The token normalizer named by `normalizer` or by TRL's / Liger's `loss_type` (two spellings of one choice:
+    give one, or both when they agree); neither: global_active_tokens."""
+    if loss_type is None:
+        if normalizer is None:
+            return TokenNormalizer.GLOBAL_ACTIVE_TOKENS
+        return check_enum(TokenNormalizer, "normalizer", normalizer)
+    if not isinstance(loss_type, str) or loss_type not in LOSS_TYPES:
+        allowed = ", ".join(repr(name) for name in LOSS_TYPES)
+        raise LossContractError(f"loss_type: expected one of {allowed}, got {loss_type!r} (TRL's 'cispo', 'sapo' and "
+                                f"'luspo' change the per-token loss, which this op does not compute)")
+    named = LOSS_TYPES[loss_type]
+    if normalizer is not None and check_enum(TokenNormalizer, "normalizer", normalizer) is not named:
+        raise LossContractError(f"loss_type / normalizer: loss_type={loss_type!r} is normalizer={named.value!r}, but "
+                                f"normalizer={TokenNormalizer(normalizer).value!r} was given too; pass one of them")
+    return named
+
+
+def check_max_completion_length(normalizer: TokenNormalizer, value: Any) -> int | None:
+    if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+        return None if value is None else check_int("max_completion_length", value, minimum=1)
+    if value is not None:
+        raise LossContractError(f"max_completion_length: only used with loss_type='dr_grpo' (normalizer="
+                                f"'sequences_times_max_length'), got {value!r} with normalizer={normalizer.value!r}")
+    return None
+
+
+def normalizer_value(normalizer: TokenNormalizer, constant: float | None, max_completion_length: int | None,
+                     padded_seq_len: int) -> float | None:
+    """The one constant a normalizer takes: the fixed constant, or dr_grpo's max completion length (default: the
+    padded sequence length)."""
+    if normalizer is TokenNormalizer.FIXED_CONSTANT:
+        return constant
+    if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+        return float(padded_seq_len if max_completion_length is None else max_completion_length)
+    return None
+
+
+def check_advantage_std(value: Any, rewards_input: bool) -> AdvantageStd | None:
+    """Default population; with given advantages there is nothing to normalize, so it must stay None."""
+    if not rewards_input:
+        if value is not None:
+            raise LossContractError(f"advantage_std: only used to normalize rewards, but the advantages are given; "
+                                    f"leave it None, got {value!r}")
+        return None
+    return AdvantageStd.POPULATION if value is None else check_enum(AdvantageStd, "advantage_std", value)
+
+
+def kernel_pending(*, temperature: float = 1.0, advantages_input: AdvantagesInput = AdvantagesInput.REWARDS,
+                   normalizer: TokenNormalizer = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
+                   advantage_std: AdvantageStd | None = None, loss_type: str | None = None) -> list[tuple[str, str]]:
+    """`(argument, what)` for each validated option set to a value the Triton kernels do not take yet; empty for
+    the math they compute. A backend refuses these (or runs its torch code) and names them."""
+    out = []
+    if temperature != 1.0:
+        out.append(("temperature", f"temperature={temperature!r}"))
+    if advantages_input is not AdvantagesInput.REWARDS:
+        out.append(("advantages", "given advantages"))
+    if normalizer in (TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH):
+        spelled = f"loss_type={loss_type!r}" if loss_type is not None else f"normalizer={normalizer.value!r}"
+        out.append(("loss_type" if loss_type is not None else "normalizer", spelled))
+    if advantage_std is AdvantageStd.UNBIASED_EPS:
+        out.append(("advantage_std", "advantage_std='unbiased_eps'"))
+    return out
+
+
 def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> float | None:
     if normalizer is TokenNormalizer.FIXED_CONSTANT:
         if constant is None:
@@ -407,18 +561,21 @@ def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> flo
 
 
 def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: Any, normalizer_constant: Any,
-                  advantage_std: Any) -> dict[str, Any]:
+                  advantage_std: Any, temperature: Any = 1.0, loss_type: Any = None, max_completion_length: Any = None,
+                  rewards_input: bool = True) -> dict[str, Any]:
     """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
-    name (`clip_eps_high=None` becomes `clip_eps`). Every float must be finite once rounded to float32, the
-    precision every backend computes in; the normalizer constant must be a normal float32."""
+    name (`clip_eps_high=None` becomes `clip_eps`; `normalizer` is resolved with `loss_type`; `advantage_std`
+    None becomes population when the op takes rewards, `rewards_input`). Every float must be finite once rounded
+    to float32, the precision every backend computes in; the normalizer constant must be a normal float32."""
     clip_eps = check_fp32("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
     clip_eps_high = check_fp32("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
     beta = check_fp32("beta", beta, minimum=0.0)
-    normalizer = check_enum(TokenNormalizer, "normalizer", normalizer)
-    advantage_std = check_enum(AdvantageStd, "advantage_std", advantage_std)
+    temperature = check_temperature(temperature)
+    normalizer = resolve_normalizer(loss_type, normalizer)
     return dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),
-                advantage_std=advantage_std)
+                max_completion_length=check_max_completion_length(normalizer, max_completion_length),
+                advantage_std=check_advantage_std(advantage_std, rewards_input), temperature=temperature)
 
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -457,25 +614,51 @@ def _shape(name: str, t: Any, expected: tuple[int, ...], what: str) -> None:
         raise LossContractError(f"{name}: expected shape {what} = {list(expected)}, got {list(t.shape)}")
 
 
+def check_one_source(rewards: Any, advantages: Any) -> None:
+    """A loss takes exactly one of `rewards` (normalized per group by the op) and `advantages` (given)."""
+    if rewards is None and advantages is None:
+        raise LossContractError("rewards: expected a torch.Tensor, got None, and advantages is None too: pass exactly "
+                                "one of rewards / advantages (advantages computed elsewhere, [B] or [B, T])")
+    if rewards is not None and advantages is not None:
+        raise LossContractError("rewards / advantages: expected exactly one of them, got both; pass rewards (the op "
+                                "normalizes them per group) or advantages (used as given)")
+
+
+def advantages_kind(advantages: torch.Tensor | None) -> AdvantagesInput:
+    """Which input a (shape-checked) call gives: rewards (no advantages), or advantages per sequence / token."""
+    if advantages is None:
+        return AdvantagesInput.REWARDS
+    return AdvantagesInput.TOKEN if advantages.dim() == 2 else AdvantagesInput.SEQUENCE
+
+
+_SOURCE_WORDS = {AdvantagesInput.REWARDS: "rewards", AdvantagesInput.SEQUENCE: "advantages [B] (one per sequence)",
+                 AdvantagesInput.TOKEN: "advantages [B, T] (one per token)"}
+
+
 def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps: Any, rewards: Any,
                  completion_mask: Any, *, beta: float, vocab_size: int | None = None,
-                 num_rewards: int | None = None, values: bool = True, rewards_required: bool = False
-                 ) -> torch.Tensor:
+                 num_rewards: int | None = None, values: bool = True, rewards_required: bool = False,
+                 advantages: Any = None, advantages_input: AdvantagesInput | None = None) -> torch.Tensor:
     """Checks the loss inputs against each other and returns the completion mask as bool `[B, T]`.
 
-    Types first: every argument must be a tensor with data (`ref_logits` may be None; `rewards` too, for the
-    ratio / KL op, unless `rewards_required`, which the loss ops set). `policy_logits` is `[B, T, V_local]`;
-    `vocab_size` is the global vocabulary that `action_ids` index (default: `V_local`). `num_rewards` defaults
-    to `B`. Values: rewards must be finite once cast to float32 (the loss's precision), ids in range and
-    `old_logps` finite (in float32) at active tokens; masked positions may hold anything (padding ids, NaN).
-    `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes
-    `check_inputs(..., values=True)` when its kernels flag bad values.
+    Types first: every argument must be a tensor with data (`ref_logits` may be None; `rewards` and
+    `advantages` too, but a loss, `rewards_required`, takes exactly one of them). `policy_logits` is
+    `[B, T, V_local]`; `vocab_size` is the global vocabulary that `action_ids` index (default: `V_local`).
+    `num_rewards` (default `B`) is the number of sequences that `rewards` `[n]` and `advantages` `[n]` or `[n, T]`
+    cover. `advantages_input` (the contract path): the input the contract declares. Values: rewards must be
+    finite once cast to float32 (the loss's precision), ids in range and `old_logps` and advantages finite (in
+    float32) at active tokens (a sequence's advantage where it has one); masked positions may hold anything
+    (padding ids, NaN). `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller
+    then owes `check_inputs(..., values=True)` when its kernels flag bad values.
     """
     for name, t, optional in (("policy_logits", policy_logits, False), ("ref_logits", ref_logits, True),
                               ("action_ids", action_ids, False), ("old_logps", old_logps, False),
-                              ("rewards", rewards, not rewards_required),
+                              ("rewards", rewards, None), ("advantages", advantages, None),
                               ("completion_mask", completion_mask, False)):
-        check_tensor(name, t, optional=optional)
+        if optional is not None or t is not None:  # rewards / advantages: None is `check_one_source`'s matter
+            check_tensor(name, t, optional=bool(optional))
+    if rewards_required:
+        check_one_source(rewards, advantages)
     if policy_logits.dim() != 3:
         raise LossContractError(f"policy_logits: expected a 3-D tensor [B, T, V], got {list(policy_logits.shape)}")
     B, T, V = policy_logits.shape
@@ -494,16 +677,29 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     _shape("completion_mask", completion_mask, (B, T), "[B, T]")
     _shape("action_ids", action_ids, (B, T), "[B, T]")
     _shape("old_logps", old_logps, (B, T), "[B, T]")
+    n = B if num_rewards is None else num_rewards
     if rewards is not None:
-        _shape("rewards", rewards, (B if num_rewards is None else num_rewards,), "[B]")
+        _shape("rewards", rewards, (n,), "[B]")
         if not (rewards.is_floating_point() or rewards.dtype in (torch.int64, torch.int32)):
             raise LossContractError(f"rewards: expected a floating or integer dtype, got {rewards.dtype}")
+    if advantages is not None:
+        if tuple(advantages.shape) not in ((n,), (n, T)):
+            raise LossContractError(f"advantages: expected shape [B] = [{n}] (one per sequence) or [B, T] = [{n}, {T}] "
+                                    f"(one per token), got {list(advantages.shape)}")
+        if not advantages.is_floating_point():
+            raise LossContractError(f"advantages: expected a floating dtype, got {advantages.dtype}")
+    if advantages_input is not None and (rewards is not None or advantages is not None):
+        given = advantages_kind(advantages)
+        if given is not advantages_input:
+            raise LossContractError(f"{'rewards' if advantages is None else 'advantages'}: the contract takes "
+                                    f"{_SOURCE_WORDS[advantages_input]} (advantages_input={advantages_input.value!r}), "
+                                    f"got {_SOURCE_WORDS[given]}")
     if action_ids.dtype not in (torch.int64, torch.int32):
         raise LossContractError(f"action_ids: expected dtype int64 or int32, got {action_ids.dtype}")
     if not old_logps.is_floating_point():
         raise LossContractError(f"old_logps: expected a floating dtype, got {old_logps.dtype}")
     for name, t in (("ref_logits", ref_logits), ("action_ids", action_ids), ("old_logps", old_logps),
-                    ("rewards", rewards), ("completion_mask", completion_mask)):
+                    ("rewards", rewards), ("advantages", advantages), ("completion_mask", completion_mask)):
         if t is not None and t.device != policy_logits.device:
             raise LossContractError(f"{name}: expected device {policy_logits.device} like policy_logits, "
                                     f"got {t.device}")
@@ -532,6 +728,18 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     if bool(bad_old.any()):
         raise LossContractError(f"old_logps: expected finite values at active tokens, got non-finite at (b, t) "
                                 f"{_tokens(bad_old)}")
+    if advantages is not None:
+        finite = torch.isfinite(advantages.to(torch.float32))  # after the cast, like rewards
+        if advantages.dim() == 2:
+            bad_adv = mask & ~finite
+            if bool(bad_adv.any()):
+                raise LossContractError(f"advantages: expected finite values at active tokens, got non-finite at "
+                                        f"(b, t) {_tokens(bad_adv)} (checked in float32)")
+        else:
+            bad_seq = torch.nonzero(mask.any(-1) & ~finite).flatten()
+            if bad_seq.numel():
+                raise LossContractError(f"advantages: expected finite values for sequences with an active token, got "
+                                        f"non-finite at sequences {bad_seq[:_SHOWN].tolist()} (checked in float32)")
     return mask
 
 
@@ -559,28 +767,62 @@ def check_logprobs(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torc
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The plain-call options, validated: what every backend's `__call__` runs with."""
+    """The options a loss runs with, validated: from the plain call (`loss_options`) or from a contract
+    (`LossOptions.of`)."""
 
     mask: torch.Tensor
     clip_eps: float
     clip_eps_high: float
     beta: float
-    groups: tuple[int, ...]
-    std: AdvantageStd
+    groups: tuple[int, ...] | None  # None: the advantages are given
+    std: AdvantageStd | None  # None: the advantages are given
     normalizer: TokenNormalizer
-    constant: float | None
+    constant: float | None  # what `canonical.normalize` takes (`normalizer_value`)
+    temperature: float = 1.0
+    advantages_input: AdvantagesInput = AdvantagesInput.REWARDS
+
+    @classmethod
+    def of(cls, contract: GRPOLossContract, mask: torch.Tensor) -> LossOptions:
+        return cls(mask, contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
+                   contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
+                   contract.advantages_input)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                  samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
-                 values: bool = True) -> LossOptions:
-    """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
+                 values: bool = True, *, temperature: Any = 1.0, advantages: Any = None, loss_type: Any = None,
+                 max_completion_length: Any = None, every_option: bool = False) -> LossOptions:
+    """Validates the keyword options and the tensors of the plain-call API (shared by every backend).
+
+    `every_option`: the caller computes every option (native). A backend whose kernels do not take the options
+    added for migration yet (Triton) leaves it False: a call that sets one of them to a non-default value
+    (`kernel_pending`) then raises a `LossContractError` naming it, before any kernel runs."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
-                      normalizer_constant=normalizer_constant, advantage_std=advantage_std)
+                      normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
+                      loss_type=loss_type, max_completion_length=max_completion_length,
+                      rewards_input=advantages is None)
+    if not every_option:
+        given = AdvantagesInput.REWARDS if advantages is None else AdvantagesInput.SEQUENCE  # refused either way
+        refuse_pending(kernel_pending(temperature=o["temperature"], advantages_input=given, normalizer=o["normalizer"],
+                                      advantage_std=o["advantage_std"], loss_type=loss_type))
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
-                        values=values, rewards_required=True)
-    if policy_logits.shape[0] == 0:
+                        values=values, rewards_required=True, advantages=advantages)
+    B, T = mask.shape
+    if B == 0:
         raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")
-    groups = check_groups(policy_logits.shape[0], samples_per_prompt, group_boundaries, o["advantage_std"])
+    if advantages is None:
+        groups = check_groups(B, samples_per_prompt, group_boundaries, o["advantage_std"])
+    else:
+        check_no_groups(samples_per_prompt, group_boundaries)
+        groups = None
     return LossOptions(mask, o["clip_eps"], o["clip_eps_high"], o["beta"], groups, o["advantage_std"],
-                       o["normalizer"], o["normalizer_constant"])
+                       o["normalizer"], normalizer_value(o["normalizer"], o["normalizer_constant"],
+                                                         o["max_completion_length"], T),
+                       o["temperature"], advantages_kind(advantages))
+
+
+def refuse_pending(pending: list[tuple[str, str]]) -> None:
+    """The Triton backend's refusal of the options its kernels do not take yet, each named."""
+    if pending:
+        raise LossContractError("; ".join(f"{name}: the Triton backend does not support {what} yet; use "
+                                          f"backend='native'" for name, what in pending))

@@ -14,7 +14,13 @@ class GRPOLossResult:
     """Unpacks as `loss, policy_loss, kl`; per-sequence vectors cover the whole batch (`[num_sequences]`).
 
     `per_sequence_policy` / `per_sequence_kl` are each sequence's token sums over its active tokens (before the
-    token normalizer); `per_sequence_active_tokens` are exact int64 counts.
+    token normalizer); `per_sequence_active_tokens` are exact int64 counts. `advantages` are the ones used: the
+    group-normalized rewards `[S]`, or the given advantages cast to fp32 (`[S]` or `[S, T]`, as given).
+
+    What a trainer logs (detached fp32 scalars over the batch's active tokens; 0 when there is none):
+    `clip_fraction` (TRL's clip ratio: tokens with ratio < 1 - clip_eps and A < 0, or ratio > 1 + clip_eps_high
+    and A > 0), `mean_ratio`, `kl_token_mean` (the k3 KL's mean per active token, TRL's logged `kl`). `policy_loss`
+    is the surrogate alone; TRL's reported loss also holds `beta * kl`: that is `loss` here.
     """
 
     loss: torch.Tensor  # fp32 scalar, differentiable
@@ -24,6 +30,9 @@ class GRPOLossResult:
     per_sequence_kl: torch.Tensor
     advantages: torch.Tensor
     per_sequence_active_tokens: torch.Tensor
+    clip_fraction: torch.Tensor  # fp32 scalar, detached
+    mean_ratio: torch.Tensor  # fp32 scalar, detached
+    kl_token_mean: torch.Tensor  # fp32 scalar, detached
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -169,3 +169,95 @@ def test_deterministic_path_matches_float64_oracle(grouping, normalizer, constan
     assert_close_verbose(res.advantages, exp_adv, atol=1e-5, rtol=1e-5, what="advantages")
     assert_close_verbose(x.grad, exp_grad, atol=1e-6, rtol=1e-4, what="grad")
     assert bool((bits(x.grad[2]) == 0).all())  # the empty sequence: exact +0.0
+
+
+# Issue 15: the canonical definitions of the options added for migration.
+
+@pytest.mark.parametrize("source", ["rewards_unbiased_eps", "sequence", "token"])
+@pytest.mark.parametrize("loss_type,max_len,normalizer,constant", [
+    (None, None, "global_active_tokens", None), ("grpo", None, "per_sequence_then_batch_mean", None),
+    ("dr_grpo", 50, "sequences_times_max_length", 50)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_deterministic_path_options_match_float64_oracle(source, loss_type, max_len, normalizer, constant,
+                                                         temperature):
+    from conftest import make_inputs
+    from grpo_core import GRPOLossContract
+    from grpo_core.distributed import DistributedGRPOLossOp
+    from test_grpo_loss import _given_advantages, oracle
+    inp = make_inputs(8, 6, 37, seed=hash((source, loss_type, temperature)) % 1000, empty_rows=(2,))
+    given = None if source.startswith("rewards") else _given_advantages(inp, source)
+    extra = dict(group_boundaries=(0, 3, 5, 8), advantage_std="unbiased_eps") if given is None else dict(
+        advantages_input=source)
+    c = GRPOLossContract(num_sequences=8, padded_seq_len=6, vocab_size=37, clip_eps=0.1, clip_eps_high=0.15, beta=0.04,
+                         temperature=temperature, loss_type=loss_type, max_completion_length=max_len,
+                         determinism_scope="topology_invariant", **extra)
+    exp = oracle(**{**inp, "rewards": inp["rewards"] if given is None else None}, clip_eps=0.1, clip_eps_high=0.15,
+                 beta=0.04, groups=(0, 3, 5, 8), std="unbiased_eps", normalizer=normalizer, constant=constant,
+                 temperature=temperature, advantages=None if given is None else torch.nan_to_num(given),
+                 metrics=True)
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    res = DistributedGRPOLossOp().apply(x, inp["action_ids"], inp["old_logps"], None if given is not None else
+                                        inp["rewards"], contract=c, completion_mask=inp["completion_mask"],
+                                        ref_local_logits=inp["ref_logits"], advantages=given)
+    res.loss.backward()
+    for name, got, want in (("loss", res.loss, exp[0]), ("policy_loss", res.policy_loss, exp[1]),
+                            ("kl", res.kl, exp[2]), ("per_sequence_policy", res.per_sequence_policy, exp[4])):
+        assert_close_verbose(got, want, atol=1e-5, rtol=1e-4, what=name)
+    if given is None:
+        assert_close_verbose(res.advantages, exp[5], atol=1e-5, rtol=1e-5, what="advantages")
+    else:
+        assert_bitwise_equal(res.advantages, given, "advantages as given")
+    for name, want in zip(("clip_fraction", "mean_ratio", "kl_token_mean"), exp[6:]):
+        assert_close_verbose(getattr(res, name), torch.tensor(want), atol=1e-6, rtol=1e-5, what=name)
+    assert_close_verbose(x.grad, exp[3], atol=1e-6, rtol=1e-4, what="grad")
+    assert bool((bits(x.grad[2]) == 0).all())  # the empty sequence: exact +0.0
+    assert res.provenance["kernels"] == "torch"
+
+
+@pytest.mark.parametrize("normalizer,constant", [("per_sequence_then_batch_mean", None),
+                                                 ("sequences_times_max_length", 40.0), ("global_active_tokens", None),
+                                                 ("per_sequence_then_mean", None), ("fixed_constant", 7.0)])
+def test_normalizers_and_their_gradient_weights(normalizer, constant):
+    """`normalize` against its float64 formula, and `token_weights` = d normalize / d (a token of the sequence)."""
+    from grpo_core.contract import TokenNormalizer
+    g = torch.Generator().manual_seed(4)
+    sums, counts = torch.randn(9, generator=g), torch.tensor([3, 0, 5, 1, 0, 7, 2, 2, 4])
+    n = TokenNormalizer(normalizer)
+    got = canonical.normalize(sums, counts, n, constant)
+    s64, c64, active = sums.double(), counts.double(), counts > 0
+    want = {"global_active_tokens": s64.sum() / c64.sum(),
+            "per_sequence_then_mean": (s64[active] / c64[active]).sum() / active.sum(),
+            "per_sequence_then_batch_mean": (s64[active] / c64[active]).sum() / 9,
+            "fixed_constant": s64.sum() / 7.0, "sequences_times_max_length": s64.sum() / (9 * 40.0)}[normalizer]
+    assert_close_verbose(got, want, atol=0, rtol=3e-7, what=normalizer)
+    leaf = sums.clone().requires_grad_(True)
+    # d normalize / d sums[i] is the weight of each of sequence i's tokens (a token enters its sequence's sum once)
+    (grad,) = torch.autograd.grad(canonical.normalize(leaf, counts, n, constant), leaf)
+    weights = canonical.token_weights(counts, n, constant)
+    assert_close_verbose(weights[active], grad[active], atol=0, rtol=3e-7, what="weights")
+    assert bool((weights[~active] == 0).all()) or normalizer in ("global_active_tokens", "fixed_constant",
+                                                                 "sequences_times_max_length")
+    empty = canonical.normalize(torch.zeros(9), torch.zeros(9, dtype=torch.int64), n, constant)
+    assert int(bits(empty)) == 0  # no active token: +0.0
+
+
+def test_unbiased_eps_std_is_trls():
+    """`(r - mean) / (Bessel std + fp32(1e-4))`: no floor (a tiny spread is divided by about 1e-4), equal rewards
+    give exact zeros, and it is not the clamped unbiased std."""
+    from grpo_core.contract import AdvantageStd
+    r = torch.tensor([1.0, 2.0, 4.0, 8.0, 3.0, 3.0, 3.0, 5.0, 5.0 + 2 ** -20])
+    bounds = (0, 4, 7, 9)
+    got = canonical.group_advantages(r, bounds, AdvantageStd.UNBIASED_EPS)
+    want = torch.cat([(g - g.mean()) / (g.std() + 1e-4) for g in r.double().split((4, 3, 2))])
+    assert_close_verbose(got, want, atol=0, rtol=1e-6, what="unbiased_eps")
+    assert got[4:7].tolist() == [0.0, 0.0, 0.0]
+    clamped = canonical.group_advantages(r, bounds, AdvantageStd.UNBIASED)
+    assert abs(got[7].item()) < 0.01 < abs(clamped[7].item())  # 1e-4 added vs the 1e-6 floor: far apart
+    assert canonical.STD_EPS == torch.tensor(1e-4, dtype=torch.float32).item()
+
+
+def test_used_advantages_zero_what_no_active_token_reads():
+    mask = torch.tensor([[True, False], [False, False]])
+    seq = canonical.used_advantages(torch.tensor([2.0, float("nan")]), mask)
+    tok = canonical.used_advantages(torch.tensor([[1.0, float("nan")], [float("inf"), 3.0]]), mask)
+    assert seq.tolist() == [2.0, 0.0] and tok.tolist() == [[1.0, 0.0], [0.0, 0.0]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -17,33 +18,47 @@ native = kernel_registry.get_op("grpo_loss", backend="native")
 
 
 def oracle(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, *, clip_eps, clip_eps_high,
-           beta, groups, normalizer, constant=None, std="population"):
-    """GRPO written out in float64 with plain loops; shares no code with grpo_core."""
+           beta, groups=None, normalizer, constant=None, std="population", temperature=1.0, advantages=None,
+           metrics=False):
+    """GRPO written out in float64 with plain loops; shares no code with grpo_core. `advantages` (given, `[B]` or
+    `[B, T]`) replace the rewards; `temperature` divides the logits; `constant` is dr_grpo's max length for
+    'sequences_times_max_length'. `metrics=True` also returns TRL's clip fraction, the mean ratio and the KL's
+    token mean."""
     x = policy_logits.detach().double().requires_grad_(True)
     B, T, V = x.shape
     mask = completion_mask.bool()
-    lse = x.max(-1, keepdim=True).values
-    logp_all = x - (lse + (x - lse).exp().sum(-1, keepdim=True).log())
+    z = x / temperature
+    lse = z.max(-1, keepdim=True).values
+    logp_all = z - (lse + (z - lse).exp().sum(-1, keepdim=True).log())
     logp = logp_all.gather(-1, action_ids[..., None])[..., 0]
-    r = ref_logits.double() if ref_logits is not None else None
-    adv = torch.zeros(B, dtype=torch.float64)
-    for a, b in zip(groups[:-1], groups[1:]):
-        g = rewards[a:b].double()
-        mean = g.sum() / len(g)
-        if std == "none":
-            adv[a:b] = g - mean
-        else:
-            var = ((g - mean) ** 2).sum() / (len(g) - (1 if std == "unbiased" else 0))
-            adv[a:b] = (g - mean) / max(math.sqrt(var), 1e-6)
+    r = ref_logits.double() / temperature if ref_logits is not None else None
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    if advantages is not None:
+        adv[:] = advantages.double() if advantages.dim() == 2 else advantages.double()[:, None]
+    else:
+        for a, b in zip(groups[:-1], groups[1:]):
+            g = rewards[a:b].double()
+            mean = g.sum() / len(g)
+            if std == "none":
+                adv[a:b] = (g - mean)[:, None]
+            elif std == "unbiased_eps":  # TRL: Bessel std + 1e-4, no floor
+                adv[a:b] = ((g - mean) / (math.sqrt(((g - mean) ** 2).sum() / (len(g) - 1)) + 1e-4))[:, None]
+            else:
+                var = ((g - mean) ** 2).sum() / (len(g) - (1 if std == "unbiased" else 0))
+                adv[a:b] = ((g - mean) / max(math.sqrt(var), 1e-6))[:, None]
     pol_tok = torch.zeros(B, T, dtype=torch.float64)
     kl_tok = torch.zeros(B, T, dtype=torch.float64)
+    clipped_tokens, ratio_sum = 0, 0.0
     for i in range(B):
         for t in range(T):
             if not mask[i, t]:
                 continue
             ratio = torch.exp(logp[i, t] - old_logps[i, t].double())
-            unclipped, clipped = ratio * adv[i], ratio.clamp(1 - clip_eps, 1 + clip_eps_high) * adv[i]
+            unclipped, clipped = ratio * adv[i, t], ratio.clamp(1 - clip_eps, 1 + clip_eps_high) * adv[i, t]
             pol_tok[i, t] = -(unclipped if unclipped <= clipped else clipped)
+            ratio_sum += ratio.item()
+            clipped_tokens += bool((ratio < 1 - clip_eps and adv[i, t] < 0) or (ratio > 1 + clip_eps_high
+                                                                               and adv[i, t] > 0))
             if r is not None:
                 lr = r[i, t] - torch.logsumexp(r[i, t], 0)
                 d = lr[action_ids[i, t]] - logp[i, t]
@@ -53,15 +68,22 @@ def oracle(policy_logits, ref_logits, action_ids, old_logps, rewards, completion
     def norm(tok):
         if normalizer == "global_active_tokens":
             return tok.sum() / max(int(counts.sum()), 1)
-        if normalizer == "per_sequence_then_mean":
+        if normalizer in ("per_sequence_then_mean", "per_sequence_then_batch_mean"):
             seqs = [tok[i].sum() / counts[i] for i in range(B) if counts[i] > 0]
-            return sum(seqs) / len(seqs) if seqs else torch.zeros((), dtype=torch.float64)
+            total = sum(seqs) if seqs else torch.zeros((), dtype=torch.float64)
+            return total / (B if normalizer == "per_sequence_then_batch_mean" else max(len(seqs), 1))
+        if normalizer == "sequences_times_max_length":
+            return tok.sum() / (B * constant)
         return tok.sum() / constant
 
     policy_loss, kl = norm(pol_tok), norm(kl_tok)
     loss = policy_loss + beta * kl + 0.0 * x.sum()  # keeps a graph when no token is active
     loss.backward()
-    return loss.detach(), policy_loss.detach(), kl.detach(), x.grad, pol_tok.sum(-1).detach(), adv
+    out = (loss.detach(), policy_loss.detach(), kl.detach(), x.grad, pol_tok.sum(-1).detach(), adv[:, 0])
+    if metrics:
+        n = max(int(counts.sum()), 1)
+        out += (clipped_tokens / n, ratio_sum / n, kl_tok.sum().item() / n)
+    return out
 
 
 GROUPINGS = {"uniform4": dict(samples_per_prompt=4), "csr": dict(group_boundaries=[0, 3, 5, 8])}
@@ -330,13 +352,14 @@ def test_wrong_types_raise_naming_the_argument(name, kind):
 
 def test_rewards_none_and_explicit_triton_raise_the_same_error():
     inp = make_inputs(4, 3, 11, seed=0)
-    msg = _call_every_path({**inp, "rewards": None}, "^rewards: expected a torch.Tensor, got None$")
+    msg = _call_every_path({**inp, "rewards": None}, r"^rewards: expected a torch.Tensor, got None, and advantages "
+                                                     r"is None too: pass exactly one of rewards / advantages")
     pytest.importorskip("triton")
     triton = kernel_registry.get_op("grpo_loss", backend="triton")  # the shared checks run before any kernel
     inp = {k: v.to("cuda" if torch.cuda.is_available() else "cpu") for k, v in inp.items()}  # CPU: interpreter
     for bad, want in (({"rewards": None}, msg), ({"policy_logits": inp["policy_logits"].cpu().numpy()},
                                                  "policy_logits: expected a torch.Tensor, got numpy.ndarray")):
-        with pytest.raises(LossContractError, match=want):
+        with pytest.raises(LossContractError, match=re.escape(want)):
             triton(**{**inp, **bad}, samples_per_prompt=2)
 
 
@@ -441,3 +464,305 @@ def test_only_policy_logits_get_a_gradient():
     ratio, kl = kernel_registry.get_op("ratio_kl", backend="native")(
         inp["policy_logits"], frozen["ref_logits"], inp["action_ids"], inp["completion_mask"], frozen["old_logps"])
     assert not ratio.requires_grad and not kl.requires_grad
+
+
+# Issue 15: the options of the loss people already run (temperature, given advantages, TRL / Liger loss types,
+# TRL's std, the metrics a trainer logs), each against the float64 oracle, on the plain call and the contract path.
+
+def _given_advantages(inp: dict, kind: str) -> torch.Tensor:
+    """Advantages computed elsewhere: `[B]` or `[B, T]`, NaN where no active token reads them (must not matter)."""
+    g = torch.Generator().manual_seed(17)
+    B, T = inp["completion_mask"].shape
+    if kind == "sequence":
+        adv = torch.randn(B, generator=g)
+        return torch.where(inp["completion_mask"].any(-1), adv, float("nan"))
+    return torch.where(inp["completion_mask"], torch.randn(B, T, generator=g), float("nan"))
+
+
+SOURCES = ["rewards", "rewards_unbiased_eps", "sequence", "token"]
+LOSS_TYPES = [(None, None, "global_active_tokens", None), ("grpo", None, "per_sequence_then_batch_mean", None),
+              ("bnpo", None, "global_active_tokens", None), ("dapo", None, "global_active_tokens", None),
+              ("dr_grpo", None, "sequences_times_max_length", 6), ("dr_grpo", 50, "sequences_times_max_length", 50)]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("loss_type,max_len,normalizer,constant", LOSS_TYPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_migration_options_match_float64_oracle(source, loss_type, max_len, normalizer, constant, temperature, beta):
+    inp = make_inputs(8, 6, 37, seed=hash((source, loss_type, max_len, temperature, beta)) % 1000, empty_rows=(2,))
+    groups = [0, 3, 5, 8]
+    kw = dict(clip_eps=0.2, clip_eps_high=0.28, beta=beta, temperature=temperature, loss_type=loss_type,
+              max_completion_length=max_len)
+    if source.startswith("rewards"):
+        std = "unbiased_eps" if source == "rewards_unbiased_eps" else None
+        kw.update(group_boundaries=groups, advantage_std=std)
+        exp = oracle(**inp, clip_eps=0.2, clip_eps_high=0.28, beta=beta, groups=groups, normalizer=normalizer,
+                     constant=constant, std=std or "population", temperature=temperature)
+    else:
+        adv = _given_advantages(inp, source)
+        kw.update(advantages=adv)
+        inp = {**inp, "rewards": None}
+        exp = oracle(**inp, clip_eps=0.2, clip_eps_high=0.28, beta=beta, normalizer=normalizer, constant=constant,
+                     temperature=temperature, advantages=torch.nan_to_num(adv))
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    loss, pol, kl = native(**{**inp, "policy_logits": x}, **kw)
+    loss.backward()
+    for name, got, want in (("loss", loss, exp[0]), ("policy_loss", pol, exp[1]), ("kl", kl, exp[2])):
+        assert_close_verbose(got, want, atol=1e-5, rtol=1e-4, what=name)
+    assert_close_verbose(x.grad, exp[3], atol=1e-6, rtol=1e-4, what="grad")
+    assert bool((x.grad[2] == 0).all())  # the empty sequence
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_contract_path_options_and_metrics_match_oracle(source, temperature):
+    inp = make_inputs(6, 5, 19, seed=3, empty_rows=(4,))
+    given = None if source.startswith("rewards") else _given_advantages(inp, source)
+    std = "unbiased_eps" if source == "rewards_unbiased_eps" else None
+    contract = GRPOLossContract(num_sequences=6, padded_seq_len=5, vocab_size=19, beta=0.1, clip_eps=0.1,
+                                clip_eps_high=0.15,
+                                temperature=temperature, loss_type="grpo", advantage_std=std,
+                                **({"group_boundaries": [0, 2, 6]} if given is None else
+                                   {"advantages_input": source}))
+    res = kernel_registry.get_loss_op(contract).op.apply(
+        inp["policy_logits"], inp["action_ids"], inp["old_logps"], None if given is not None else inp["rewards"],
+        contract=contract, completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"],
+        advantages=given)
+    exp = oracle(**inp, clip_eps=0.1, clip_eps_high=0.15, beta=0.1, groups=[0, 2, 6], std=std or "population",
+                 normalizer="per_sequence_then_batch_mean", temperature=temperature, metrics=True,
+                 advantages=None if given is None else torch.nan_to_num(given))
+    assert_close_verbose(res.loss, exp[0], atol=1e-5, rtol=1e-4, what="loss")
+    assert_close_verbose(res.per_sequence_policy, exp[4], atol=1e-5, rtol=1e-4, what="per_sequence_policy")
+    if given is None:
+        assert_close_verbose(res.advantages, exp[5], atol=1e-5, rtol=1e-5, what="advantages")
+    else:  # reported as given (fp32), NaN where nothing reads them included
+        assert_bitwise_equal(res.advantages, given.float(), "advantages as given")
+    for name, want in (("clip_fraction", exp[6]), ("mean_ratio", exp[7]), ("kl_token_mean", exp[8])):
+        got = getattr(res, name)
+        assert got.dtype == torch.float32 and got.dim() == 0 and not got.requires_grad
+        assert_close_verbose(got, torch.tensor(want), atol=1e-6, rtol=1e-5, what=name)
+    assert 0 < exp[6] < 1, "vacuity: some tokens must be clipped and some not"
+
+
+def test_metrics_on_a_hand_example():
+    """ratio 0.5 / 1.0 / 2.0 against clip 0.2: with A < 0 only the low one is clipped, with A > 0 only the high."""
+    from grpo_core import canonical
+    ratio = torch.tensor([[0.5, 1.0, 2.0], [0.5, 1.0, 2.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    lo, hi = canonical.clip_bounds(0.2, 0.2, ratio)
+    for adv, per_seq in ((torch.tensor([-1.0, 1.0]), [1, 0]), (torch.tensor([[1.0, 0.0, 1.0], [-1.0, -1.0, -1.0]]),
+                                                              [1, 1])):
+        ratio_sums, clipped = canonical.sequence_metrics(ratio, adv, mask, lo, hi)
+        assert clipped.tolist() == per_seq and ratio_sums.tolist() == [3.5, 1.5]
+        kl_sums = torch.tensor([0.25, 0.5])
+        frac, mean_ratio, kl_mean = canonical.batch_metrics(ratio_sums, kl_sums, clipped, mask.sum(-1))
+        f32 = [torch.tensor(v, dtype=torch.float32).item() for v in (sum(per_seq) / 5, 1.0, 0.75 / 5)]
+        assert [frac.item(), mean_ratio.item(), kl_mean.item()] == f32
+    zero = canonical.batch_metrics(torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.int64),
+                                   torch.zeros(2, dtype=torch.int64))
+    assert [t.item() for t in zero] == [0.0, 0.0, 0.0]  # no active token: 0, not NaN
+
+
+def test_temperature_one_is_the_default_math_bit_for_bit():
+    inp = make_inputs(4, 5, 23, seed=8)
+    x, y = (inp["policy_logits"].clone().requires_grad_(True) for _ in range(2))
+    a = native(**{**inp, "policy_logits": x}, samples_per_prompt=2)
+    b = native(**{**inp, "policy_logits": y}, samples_per_prompt=2, temperature=1.0, loss_type="bnpo")
+    a[0].backward()
+    b[0].backward()
+    for name, u, v in (("loss", a[0], b[0]), ("policy", a[1], b[1]), ("kl", a[2], b[2]), ("grad", x.grad, y.grad)):
+        assert_bitwise_equal(u, v, name)
+    c = native(**inp, samples_per_prompt=2, temperature=0.5)
+    assert c[0].item() != a[0].item()  # vacuity: a temperature changes the numbers
+
+
+def test_temperature_is_the_loss_of_scaled_logits_with_the_chain_rule():
+    inp = make_inputs(4, 5, 23, seed=9)
+    t = 0.6
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    loss, _, _ = native(**{**inp, "policy_logits": x}, samples_per_prompt=2, temperature=t)
+    loss.backward()
+    z = (inp["policy_logits"] / t).requires_grad_(True)
+    want, _, _ = native(**{**inp, "policy_logits": z, "ref_logits": inp["ref_logits"] / t}, samples_per_prompt=2)
+    want.backward()
+    assert_close_verbose(loss, want, atol=1e-6, rtol=1e-5, what="loss")
+    assert_close_verbose(x.grad, z.grad / t, atol=1e-7, rtol=1e-5, what="grad = dL/dz / temperature")
+
+
+def test_given_advantages_equal_to_the_group_advantages_give_the_same_loss():
+    inp = make_inputs(8, 6, 29, seed=12, empty_rows=(5,))
+    res = NativeGRPOLossOp().apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"],
+                                   contract=GRPOLossContract(num_sequences=8, padded_seq_len=6, vocab_size=29,
+                                                             samples_per_prompt=4),
+                                   completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"])
+    seq = native(**{**inp, "rewards": None}, advantages=res.advantages)
+    tok = native(**{**inp, "rewards": None}, advantages=res.advantages[:, None].expand(8, 6))
+    for got in (seq, tok):
+        for a, b, what in zip(got, res, ("loss", "policy_loss", "kl")):
+            assert_bitwise_equal(a, b, what)
+
+
+def test_masked_advantages_may_hold_anything():
+    inp = make_inputs(4, 6, 23, seed=13, empty_rows=(1,))
+    mask = inp["completion_mask"]
+    for kind in ("sequence", "token"):
+        adv = _given_advantages(inp, kind)
+        results = []
+        for fill in (float("nan"), 0.0, 1e30):
+            given = torch.where(mask if kind == "token" else mask.any(-1), adv, fill)
+            x = inp["policy_logits"].clone().requires_grad_(True)
+            loss, pol, kl = native(**{**inp, "policy_logits": x, "rewards": None}, advantages=given)
+            loss.backward()
+            results.append((loss, pol, kl, x.grad))
+        assert math.isfinite(results[0][0].item())
+        for other in results[1:]:
+            for a, b, what in zip(results[0], other, ("loss", "policy", "kl", "grad")):
+                assert_bitwise_equal(a, b, f"{kind} {what}")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(temperature=0), r"^temperature: expected a finite float > 0 whose reciprocal is a finite normal float32"),
+    (dict(temperature=-1.0), r"^temperature: expected a finite float > 0"),
+    (dict(temperature=float("inf")), r"^temperature: expected a finite float > 0"),
+    (dict(temperature=float("nan")), r"^temperature: expected a finite float > 0"),
+    (dict(temperature=1e39), r"^temperature: expected a float that is finite in float32 .* got 1e\+39"),
+    (dict(temperature=1e-39), r"^temperature: expected a finite float > 0 whose reciprocal .* got 1e-39"),
+    (dict(temperature=1e38), r"^temperature: expected a finite float > 0 whose reciprocal .* got 1e\+38"),
+    (dict(temperature="0.9"), r"^temperature: expected a float, got str"),
+    (dict(loss_type="cispo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'cispo'"),
+    (dict(loss_type="GRPO"), r"^loss_type: expected one of"),
+    (dict(loss_type="grpo", normalizer="global_active_tokens"),
+     r"^loss_type / normalizer: loss_type='grpo' is normalizer='per_sequence_then_batch_mean', but "
+     r"normalizer='global_active_tokens' was given too"),
+    (dict(loss_type="dapo", normalizer="fixed_constant", normalizer_constant=8.0), r"^loss_type / normalizer"),
+    (dict(max_completion_length=16), r"^max_completion_length: only used with loss_type='dr_grpo'"),
+    (dict(loss_type="dr_grpo", max_completion_length=0), r"^max_completion_length: expected an int >= 1"),
+    (dict(loss_type="dr_grpo", max_completion_length=16.0), r"^max_completion_length: expected an int"),
+    (dict(advantage_std="trl"), r"^advantage_std: expected one of .*'unbiased_eps'"),
+])
+def test_bad_migration_options_raise_naming_the_argument(bad, match):
+    _call_every_path(make_inputs(4, 3, 11, seed=0), match, **bad)
+
+
+@pytest.mark.parametrize("make_bad,match", [
+    (lambda i: dict(advantages=torch.zeros(4, 2)), r"^advantages: expected shape \[B\] = \[4\] \(one per sequence\) "
+                                                   r"or \[B, T\] = \[4, 3\] \(one per token\), got \[4, 2\]"),
+    (lambda i: dict(advantages=torch.zeros(5)), r"^advantages: expected shape \[B\] = \[4\]"),
+    (lambda i: dict(advantages=torch.zeros(4, 3, 1)), r"^advantages: expected shape"),
+    (lambda i: dict(advantages=torch.zeros(4, dtype=torch.int64)), r"^advantages: expected a floating dtype"),
+    (lambda i: dict(advantages=torch.zeros(4).numpy()), r"^advantages: expected a torch.Tensor, got numpy.ndarray"),
+    (lambda i: dict(advantages=torch.zeros(4, 3).index_put_((torch.tensor([1]), torch.tensor([0])),
+                                                            torch.tensor(float("nan")))),
+     r"^advantages: expected finite values at active tokens, got non-finite at \(b, t\) \[\(1, 0\)\]"),
+    (lambda i: dict(advantages=torch.tensor([0.0, 1e300, 0.0, 0.0], dtype=torch.float64)),
+     r"^advantages: expected finite values for sequences with an active token, got non-finite at sequences \[1\] "
+     r"\(checked in float32\)"),
+    (lambda i: dict(advantages=torch.zeros(4), rewards=i["rewards"]),
+     r"^rewards / advantages: expected exactly one of them, got both"),
+    (lambda i: dict(advantages=torch.zeros(4), samples_per_prompt=2),
+     r"^samples_per_prompt: only used to normalize rewards per group, but the advantages are given"),
+    (lambda i: dict(advantages=torch.zeros(4), group_boundaries=[0, 2, 4]), r"^group_boundaries: only used to"),
+    (lambda i: dict(advantages=torch.zeros(4), advantage_std="population"),
+     r"^advantage_std: only used to normalize rewards, but the advantages are given"),
+])
+def test_bad_advantages_raise_naming_the_argument(make_bad, match):
+    inp = make_inputs(4, 3, 11, seed=0)
+    bad = make_bad(inp)
+    kwargs = {"rewards": None, "samples_per_prompt": None, **bad}
+    for op in (native, kernel_registry.get_op("grpo_loss")):
+        with pytest.raises(LossContractError, match=match):
+            op(**{**inp, **{k: v for k, v in kwargs.items() if k in inp}},
+               **{k: v for k, v in kwargs.items() if k not in inp})
+
+
+def test_contract_path_takes_the_input_its_contract_declares():
+    inp = make_inputs(4, 3, 11, seed=0)
+    apply = NativeGRPOLossOp().apply
+
+    def run(contract, rewards, advantages):
+        return apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], rewards, contract=contract,
+                     completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"],
+                     advantages=advantages)
+
+    base = dict(num_sequences=4, padded_seq_len=3, vocab_size=11)
+    by_rewards = GRPOLossContract(**base, samples_per_prompt=2)
+    by_token = GRPOLossContract(**base, advantages_input="token")
+    with pytest.raises(LossContractError, match=r"^advantages: the contract takes rewards \(advantages_input="
+                                                r"'rewards'\), got advantages \[B\]"):
+        run(by_rewards, None, torch.zeros(4))
+    with pytest.raises(LossContractError, match=r"^rewards: the contract takes advantages \[B, T\] \(one per token\) "
+                                                r"\(advantages_input='token'\), got rewards"):
+        run(by_token, inp["rewards"], None)
+    with pytest.raises(LossContractError, match=r"^advantages: the contract takes advantages \[B, T\]"):
+        run(by_token, None, torch.zeros(4))
+    with pytest.raises(LossContractError, match=r"^rewards / advantages: expected exactly one of them, got both"):
+        run(by_token, inp["rewards"], torch.zeros(4, 3))
+    assert run(by_token, None, torch.zeros(4, 3)).advantages.shape == (4, 3)
+
+
+# The Triton op does not take the new options yet: an explicit request raises naming the option, the automatic
+# choice runs native and records why; what it can serve (bnpo / dapo are global_active_tokens) it serves.
+
+PENDING = [
+    (dict(temperature=0.9), r"^temperature: the Triton backend does not support temperature=0.9 yet; "
+                            r"use backend='native'$"),
+    (dict(loss_type="grpo"), r"^loss_type: the Triton backend does not support loss_type='grpo' yet"),
+    (dict(loss_type="dr_grpo", max_completion_length=8), r"^loss_type: the Triton backend does not support "
+                                                         r"loss_type='dr_grpo'"),
+    (dict(normalizer="per_sequence_then_batch_mean"), r"^normalizer: the Triton backend does not support "
+                                                      r"normalizer='per_sequence_then_batch_mean'"),
+    (dict(advantage_std="unbiased_eps"), r"^advantage_std: the Triton backend does not support "
+                                         r"advantage_std='unbiased_eps'"),
+    (dict(rewards=None, samples_per_prompt=None, advantages=torch.zeros(4)),
+     r"^advantages: the Triton backend does not support given advantages yet"),
+]
+
+
+@pytest.mark.parametrize("options,match", PENDING)
+def test_triton_refuses_the_options_it_does_not_take_yet_and_auto_runs_native(options, match):
+    inp = make_inputs(4, 3, 11, seed=0)
+    kwargs = {"samples_per_prompt": 2, **options}
+    call = ({k: v for k, v in kwargs.items() if k in inp}, {k: v for k, v in kwargs.items() if k not in inp})
+    auto = kernel_registry.get_op("grpo_loss")
+    got = auto(**{**inp, **call[0]}, **call[1])
+    want = native(**{**inp, **call[0]}, **call[1])
+    assert auto.last_backend == "native"
+    name = match[1:].split(":")[0]
+    assert any(r.startswith(f"{name}: the Triton kernels do not take") for r in auto.last_rejected["triton"]), \
+        auto.last_rejected
+    for a, b, what in zip(got, want, ("loss", "policy_loss", "kl")):
+        assert_bitwise_equal(a, b, what)
+    pytest.importorskip("triton")
+    triton = kernel_registry.get_op("grpo_loss", backend="triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    moved = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in {**inp, **call[0]}.items()}
+    with pytest.raises(LossContractError, match=match):
+        triton(**moved, **{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in call[1].items()})
+
+
+def test_triton_direct_call_refuses_new_enum_values_and_checks_option_values_first():
+    pytest.importorskip("triton")
+    from grpo_core.triton import TritonGRPOLossOp
+    inp = make_inputs(4, 3, 11, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(LossContractError, match=r"^normalizer: the Triton backend does not support "
+                                                r"normalizer='sequences_times_max_length'"):
+        TritonGRPOLossOp()(**inp, samples_per_prompt=2, normalizer="sequences_times_max_length")
+    with pytest.raises(LossContractError, match=r"^advantage_std: the Triton backend does not support"):
+        TritonGRPOLossOp()(**inp, samples_per_prompt=2, advantage_std="unbiased_eps")
+    triton = kernel_registry.get_op("grpo_loss", backend="triton")
+    with pytest.raises(LossContractError, match=r"^temperature: expected a finite float > 0"):  # native's words
+        triton(**inp, samples_per_prompt=2, temperature=0.0)
+    with pytest.raises(LossContractError, match=r"^loss_type: expected one of"):
+        triton(**inp, samples_per_prompt=2, loss_type="sapo")
+
+
+def test_triton_serves_bnpo_and_dapo_as_global_active_tokens():
+    pytest.importorskip("triton")
+    inp = make_inputs(4, 3, 11, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
+    triton = kernel_registry.get_op("grpo_loss", backend="triton")
+    want = triton(**inp, samples_per_prompt=2)
+    for loss_type in ("bnpo", "dapo"):
+        got = triton(**inp, samples_per_prompt=2, loss_type=loss_type, temperature=1.0)
+        for a, b, what in zip(got, want, ("loss", "policy_loss", "kl")):
+            assert_bitwise_equal(a, b, f"{loss_type} {what}")

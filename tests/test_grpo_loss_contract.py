@@ -25,7 +25,10 @@ def test_defaults_and_string_enums():
     assert c.groups == (0, 4, 8)
     assert c.sharding.tp_world_size == c.sharding.dp_world_size == 1
     assert c.logprob_contract.num_tokens == 8 * 32 and c.logprob_contract.tile_width == 128
-    assert [m.value for m in TokenNormalizer] == ["global_active_tokens", "per_sequence_then_mean", "fixed_constant"]
+    assert [m.value for m in TokenNormalizer] == ["global_active_tokens", "per_sequence_then_mean", "fixed_constant",
+                                                  "per_sequence_then_batch_mean", "sequences_times_max_length"]
+    assert c.temperature == 1.0 and c.advantages_input.value == "rewards" and c.loss_type is None
+    assert make().normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS and make().advantage_std is AdvantageStd.POPULATION
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.beta = 1.0
     with pytest.raises(TypeError):
@@ -180,3 +183,82 @@ def test_fingerprint_sees_the_normalizer_constant_to_the_last_bit():
     c1 = make(normalizer="fixed_constant", normalizer_constant=256.0)
     c2 = make(normalizer="fixed_constant", normalizer_constant=float.fromhex("0x1.0000000000001p+8"))
     assert c1.fingerprint() != c2.fingerprint()
+
+
+# Issue 15: the options added for migration, validated by name and in the fingerprint only when they are set.
+
+@pytest.mark.parametrize("over,match", [
+    (dict(temperature=0.0), r"^temperature: expected a finite float > 0 whose reciprocal is a finite normal float32"),
+    (dict(temperature=-1.0), r"^temperature: expected a finite float > 0"),
+    (dict(temperature=float("inf")), r"^temperature: expected a finite float > 0"),
+    (dict(temperature=1e39), r"^temperature: expected a float that is finite in float32"),
+    (dict(temperature=2.0 ** 127), r"^temperature: expected a finite float > 0 whose reciprocal"),  # 1/t subnormal
+    (dict(temperature=True), r"^temperature: expected a float, got bool"),
+    (dict(advantages_input="logits"), r"^advantages_input: expected one of 'rewards', 'sequence', 'token'"),
+    (dict(loss_type="sapo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'sapo'"),
+    (dict(loss_type="dr_grpo", normalizer="fixed_constant", normalizer_constant=64.0),
+     r"^loss_type / normalizer: loss_type='dr_grpo' is normalizer='sequences_times_max_length'"),
+    (dict(loss_type="grpo", max_completion_length=32), r"^max_completion_length: only used with loss_type='dr_grpo'"),
+    (dict(loss_type="dr_grpo", max_completion_length=-4), r"^max_completion_length: expected an int >= 1"),
+    (dict(normalizer_constant=3.0, loss_type="dr_grpo"), r"^normalizer_constant: only used with"),
+    (dict(advantages_input="sequence"), r"^samples_per_prompt: only used to normalize rewards per group"),
+    (dict(advantages_input="token", samples_per_prompt=None, group_boundaries=(0, 4, 8)),
+     r"^group_boundaries: only used to normalize rewards per group"),
+    (dict(advantages_input="token", samples_per_prompt=None, advantage_std="none"),
+     r"^advantage_std: only used to normalize rewards, but the advantages are given"),
+    (dict(samples_per_prompt=1, advantage_std="unbiased_eps"), r"samples_per_prompt: expected >= 2 under "
+                                                               r"advantage_std='unbiased_eps'"),
+])
+def test_migration_options_fail_loudly(over, match):
+    with pytest.raises(LossContractError, match=match):
+        make(**over)
+
+
+def test_migration_options_resolve():
+    assert make(loss_type="grpo").normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN
+    assert make(loss_type="bnpo", normalizer="global_active_tokens").normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS
+    assert make(loss_type="dapo").normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS
+    dr = make(loss_type="dr_grpo")
+    assert dr.normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH and dr.normalizer_value == 32.0
+    assert make(loss_type="dr_grpo", max_completion_length=100).normalizer_value == 100.0
+    assert make(normalizer="fixed_constant", normalizer_constant=7.0).normalizer_value == 7.0
+    adv = make(advantages_input="token", samples_per_prompt=None)
+    assert adv.groups is None and adv.advantage_std is None and adv.numeric_fields()["group_boundaries"] is None
+    assert make(temperature=2).temperature == 2.0 and isinstance(make(temperature=2).temperature, float)
+    assert make().kernel_pending() == [] and make(loss_type="dapo").kernel_pending() == []
+    assert [n for n, _ in make(temperature=0.5, loss_type="grpo", advantage_std="unbiased_eps").kernel_pending()] == [
+        "temperature", "loss_type", "advantage_std"]
+
+
+@pytest.mark.parametrize("over", [
+    dict(temperature=0.9), dict(temperature=float.fromhex("0x1.0000000000001p+0")), dict(loss_type="grpo"),
+    dict(loss_type="dr_grpo"), dict(normalizer="per_sequence_then_batch_mean"), dict(advantage_std="unbiased_eps"),
+    dict(advantages_input="sequence", samples_per_prompt=None), dict(advantages_input="token", samples_per_prompt=None),
+])
+def test_fingerprint_changes_with_every_migration_option(over):
+    assert make(**over).fingerprint() != make().fingerprint()
+
+
+def test_fingerprint_is_one_per_set_of_numbers():
+    """Two spellings of the same numbers, one fingerprint; defaults written out do not move it."""
+    base = make().fingerprint()
+    for same in (dict(temperature=1.0), dict(loss_type="bnpo"), dict(loss_type="dapo"),
+                 dict(normalizer="global_active_tokens"), dict(advantage_std="population"),
+                 dict(advantages_input="rewards")):
+        assert make(**same).fingerprint() == base, same
+    assert make(loss_type="grpo").fingerprint() == make(normalizer="per_sequence_then_batch_mean").fingerprint()
+    assert make(loss_type="dr_grpo").fingerprint() == make(loss_type="dr_grpo", max_completion_length=32).fingerprint()
+    assert make(loss_type="dr_grpo").fingerprint() != make(loss_type="dr_grpo", max_completion_length=33).fingerprint()
+    seq, tok = (make(advantages_input=k, samples_per_prompt=None).fingerprint() for k in ("sequence", "token"))
+    assert seq != tok
+
+
+def test_default_fingerprints_are_those_of_the_goldens():
+    """The options added for migration leave every existing contract's fingerprint (and golden) as it was."""
+    import json
+    from pathlib import Path
+
+    from harness.scenarios import SCENARIOS
+    manifest = json.loads((Path(__file__).resolve().parents[1] / "golden" / "canonical" / "MANIFEST.json").read_text())
+    recorded = {name.removesuffix(".parquet"): entry["fingerprint"] for name, entry in manifest["files"].items()}
+    assert recorded and {name: SCENARIOS[name].contract().fingerprint() for name in recorded} == recorded

@@ -5,9 +5,16 @@ contract:
 - tokens: each sequence's token sum is a `pair_sum` over the fixed `padded_seq_len` extent, computed by the DP
   rank that owns the whole sequence;
 - sequences: per-sequence totals travel by `all_gather` in DP-rank order and are summed in global sequence order;
-- counts travel as integers; advantages are computed on every rank from the gathered global reward vector.
+- counts travel as integers; advantages are computed on every rank from the gathered global reward vector (given
+  advantages are used as they are, and gathered for the result).
 No float is ever `all_reduce`d. The gradient is analytic (`canonical.token_coef`), written chunk by chunk: the
 extra memory is one gradient in the logits' dtype plus `O(tokens * vocab / tile_width)`.
+
+A temperature multiplies the fp32 logits by `inv = fp32(1 / temperature)` (one multiply per element, policy and
+reference) before the tiles; the gradient is `((coef * grad_output) * inv) * (onehot - softmax(z))`. At 1.0 nothing
+is multiplied (the bits of the default math). The Triton kernels do not take the options added for migration yet
+(`contract.kernel_pending`): with one of them, kernels="auto" runs the torch kernels and says so in the provenance
+(`kernels_note`), kernels="triton" refuses the call.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import canonical, pending
-from ..contract import GRPOLossContract, LossContractError, check_inputs, check_logprobs
+from ..contract import (AdvantagesInput, GRPOLossContract, LossContractError, check_inputs, check_logprobs,
+                        inverse_temperature)
 from ..result import GRPOLossResult, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -62,10 +70,12 @@ class DistributedGRPOLossOp:
 
     Local tensors: `policy_local_logits` / `ref_local_logits` `[n_local, padded_seq_len, local_vocab]` (this rank's
     sequences and vocab shard), `action_ids` (global ids), `old_logps`, `completion_mask` `[n_local,
-    padded_seq_len]`, `rewards` `[n_local]`. The result's scalars and per-sequence vectors cover the whole batch
-    and are identical on every rank; the gradient flows into this rank's shard of the policy logits only (never
-    into `old_logps`, `rewards` or the reference logits). Every bad input, on any rank, raises the same
-    `LossContractError` on every rank (`preflight.py` says what can and cannot be guaranteed).
+    padded_seq_len]`, and `rewards` `[n_local]` or, as `contract.advantages_input` declares, `advantages=`
+    `[n_local]` / `[n_local, padded_seq_len]` (TP peers hold the same ones). The result's scalars and
+    per-sequence vectors cover the whole batch and are identical on every rank; the gradient flows into this
+    rank's shard of the policy logits only (never into `old_logps`, `rewards`, `advantages` or the reference
+    logits). Every bad input, on any rank, raises the same `LossContractError` on every rank (`preflight.py` says
+    what can and cannot be guaranteed).
 
     `kernels`: "triton" (the fused kernels of `triton/canonical.py`), "torch" (the reference: torch ops, any device)
     or "auto" (Triton for CUDA tensors when Triton imports, else torch). Both give the same bits.
@@ -99,49 +109,68 @@ class DistributedGRPOLossOp:
                                     f"interpreter), got policy_local_logits on {logits.device}; use kernels='torch'")
         return True
 
+    def _kernels(self, logits: torch.Tensor, contract: GRPOLossContract) -> tuple[bool, str | None]:
+        """Whether the Triton kernels run, and why the torch ones run instead when an option of the contract is
+        not in the Triton kernels yet (None otherwise)."""
+        pending = contract.kernel_pending()
+        if not pending or self.kernels == "torch":
+            return self._triton_runs(logits, contract.vocab_tile), None
+        if self.kernels == "triton":
+            raise LossContractError("; ".join(f"{name}: the distributed op's Triton kernels do not support {what} "
+                                              f"yet; use kernels='torch' or 'auto'" for name, what in pending))
+        if not self._triton_runs(logits, contract.vocab_tile):
+            return False, None
+        return False, ("the Triton kernels do not take " + ", ".join(what for _, what in pending) +
+                       " yet: the torch kernels ran (the same math)")
+
     @staticmethod
     def _token_sum(terms: torch.Tensor) -> torch.Tensor:
         """Each sequence's token sum (a fixed tree over `padded_seq_len`)."""
         return canonical.pair_sum(terms)
 
     def apply(self, policy_local_logits: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor,
-              rewards: torch.Tensor, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
+              rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
-              check_values: str = "deferred") -> GRPOLossResult:
+              check_values: str = "deferred", advantages: torch.Tensor | None = None) -> GRPOLossResult:
         """`check_values` (the Triton kernels; the torch ones check in the call): "deferred" checks the values
         without a device sync and raises at the next call or at `grpo_core.raise_pending()`, "sync" in this call
         (`pending.py`)."""
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
         pending.raise_pending()
-        triton_runs = False
+        triton_runs, kernels_note = False, None
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
-                   "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards,
+                   "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask}
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
-            nonlocal triton_runs
+            nonlocal triton_runs, kernels_note
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                         beta=contract.beta, values=False, rewards_required=True)  # types before the shape
+                         beta=contract.beta, values=False, rewards_required=True, advantages=advantages,
+                         advantages_input=contract.advantages_input)  # types before the shape
             expected = (seq_hi - seq_lo, contract.padded_seq_len, v_hi - v_lo)
             if tuple(policy_local_logits.shape) != expected:
                 raise LossContractError(
                     f"policy_local_logits: expected [owned sequences, padded_seq_len, local vocab] = {list(expected)}"
                     f" from the contract (sequences {seq_lo}:{seq_hi}, vocab {v_lo}:{v_hi}), got "
                     f"{list(policy_local_logits.shape)}")
-            triton_runs = self._triton_runs(policy_local_logits, contract.vocab_tile)
+            triton_runs, kernels_note = self._kernels(policy_local_logits, contract)
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                                 beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
-                                rewards_required=True, values=not triton_runs)  # Triton: flags, no device sync
+                                rewards_required=True, values=not triton_runs, advantages=advantages,
+                                advantages_input=contract.advantages_input)  # Triton: flags, no device sync
 
         def replicated() -> str:  # compared on the TP axis only
             if contract.sharding.tp_world_size == 1:
                 return ""
             active = completion_mask.bool()
+            given = None
+            if advantages is not None:  # only what active tokens read must agree
+                given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
             return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
-                                     torch.where(active, old_logps, 0), rewards)
+                                     torch.where(active, old_logps, 0), rewards, given)
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         s = contract.sharding
@@ -151,14 +180,22 @@ class DistributedGRPOLossOp:
         x = policy_local_logits.detach()
         ref = None if ref_local_logits is None else ref_local_logits.detach()
         old = old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
-        rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
-        advantages = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
-        adv = advantages[seq_lo:seq_hi]
+        if contract.advantages_input is AdvantagesInput.REWARDS:
+            rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
+            advantages_all = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
+            adv = advantages_all[seq_lo:seq_hi]
+        else:
+            given = advantages.detach().to(torch.float32, copy=True)
+            advantages_all = gather_sequences(given, contract, dp_group)  # as given, for the result
+            adv = canonical.used_advantages(given, mask)
+        inv = inverse_temperature(contract.temperature)
         clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
+        lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
         if triton_runs:
             logp, logp_ref, lse, sums, bad = self._triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group,
                                                                  clip_lo, clip_hi)
             local_policy, local_kl = sums[0], sums[1]
+            ratio = canonical.ratio_and_kl(logp, None, old, mask)[0]  # for the metrics
             # The value checks the preflight skipped, as per-sequence flags: no device sync.
             ids = action_ids.long()
             wrong = mask & ((ids < 0) | (ids >= contract.vocab_size) | ~torch.isfinite(old))
@@ -170,7 +207,7 @@ class DistributedGRPOLossOp:
             ids = action_ids.reshape(-1)[rows].long()
 
             def logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                lse, selected = vocab_parallel_lse(logits.reshape(n_local * T, -1), rows, ids, lp, tp_group)
+                lse, selected = vocab_parallel_lse(logits.reshape(n_local * T, -1), rows, ids, lp, tp_group, inv)
                 full = torch.zeros(n_local * T, dtype=torch.float32, device=x.device)
                 return full.index_put((rows,), selected - lse).view(n_local, T), lse, ~torch.isfinite(selected - lse)
 
@@ -179,25 +216,26 @@ class DistributedGRPOLossOp:
             if ref is not None:
                 logp_ref, _, bad_ref = logprobs(ref)
                 bad_rows |= bad_ref
-            lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, logp)
             ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
             local_policy = self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t))
             local_kl = self._token_sum(kl_tok)
             bad = torch.zeros(n_local * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
             bad = bad.view(n_local, T).sum(-1)
-        counts_bad = gather_sequences(torch.stack([mask.sum(-1), bad], -1), contract, dp_group)
-        counts = counts_bad[:, 0]
+        local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
+        ints = gather_sequences(torch.stack([mask.sum(-1), bad, local_clipped], -1), contract, dp_group)
+        counts, flags, clipped = ints[:, 0], ints[:, 1], ints[:, 2]
         if triton_runs:  # every rank holds the gathered flags: all raise together, at their next call
-            self._defer(counts_bad[:, 1], check_values, contract, policy_local_logits, ref_local_logits, action_ids,
+            self._defer(flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
                         old_logps, rewards, completion_mask, logp, logp_ref)
-        elif bool(counts_bad[:, 1].any()):  # every rank holds the gathered flags: all raise together, same words
+        elif bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
             check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
-        per_seq_policy = gather_sequences(local_policy, contract, dp_group)
-        per_seq_kl = gather_sequences(local_kl, contract, dp_group)
+        sums_all = gather_sequences(torch.stack([local_policy, local_kl, local_ratio], -1), contract, dp_group)
+        per_seq_policy, per_seq_kl, per_seq_ratio = (sums_all[:, i].contiguous() for i in range(3))
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
-                                                  contract.normalizer, contract.normalizer_constant)
+                                                  contract.normalizer, contract.normalizer_value)
+        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts)
         if policy_local_logits.requires_grad and torch.is_grad_enabled():
-            w = canonical.token_weights(counts, contract.normalizer, contract.normalizer_constant)[seq_lo:seq_hi]
+            w = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi]
             if triton_runs:
                 from ..triton import canonical as kernels
 
@@ -211,17 +249,23 @@ class DistributedGRPOLossOp:
                 def backward(logits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
                     flat = logits.reshape(-1, logits.shape[-1])
                     grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
-                    write_grad(grad, flat, rows, ids - v_lo, lse, coef * grad_loss, lp.tile_width)
+                    scaled = coef * grad_loss
+                    if inv != 1.0:
+                        scaled = scaled * canonical.fp32(inv, scaled)
+                    write_grad(grad, flat, rows, ids - v_lo, lse, scaled, lp.tile_width, inv)
                     return grad.view(logits.shape)
 
             loss = _Loss.apply(policy_local_logits, loss, backward)
+        extra = {} if kernels_note is None else {"kernels_note": kernels_note}
         return GRPOLossResult(
             loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy,
-            per_sequence_kl=per_seq_kl, advantages=advantages, per_sequence_active_tokens=counts,
+            per_sequence_kl=per_seq_kl, advantages=advantages_all, per_sequence_active_tokens=counts,
+            clip_fraction=clip_fraction, mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
             provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID,
-                                  kernels="triton" if triton_runs else "torch", fingerprint=contract.fingerprint(),
-                                  tile_width=lp.tile_width, tp_world_size=s.tp_world_size,
-                                  dp_world_size=s.dp_world_size, determinism_scope=contract.determinism_scope.value))
+                                  kernels="triton" if triton_runs else "torch", **extra,
+                                  fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
+                                  tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
+                                  determinism_scope=contract.determinism_scope.value))
 
     @staticmethod
     def _defer(flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, completion_mask, logp,

@@ -5,6 +5,10 @@ shards are unions of whole tiles. Each tile gives an fp32 `(max, sumexp)` pair (
 pairs and the selected logit travel by `all_gather` (an exact copy) and every rank merges all tiles in global
 tile order with the same tree (`canonical.merge_stats`). TP = 1 runs the very same per-tile arithmetic. Only
 active rows are read, in chunks, so the extra memory stays `O(rows * vocab / tile_width)`.
+
+`inv_temperature` (an fp32 value, `contract.inverse_temperature`): the logits are read as `z = fp32(x) * inv`,
+one multiply per element, wherever they are read (tiles, selected logit, softmax of the gradient); at 1.0 as
+`fp32(x)`, nothing multiplied.
 """
 
 from __future__ import annotations
@@ -55,27 +59,35 @@ def gather_tile_stats(m: torch.Tensor, s: torch.Tensor, selected: torch.Tensor, 
     return m, s, selected_all.gather(0, owner.unsqueeze(0)).squeeze(0)
 
 
+def scaled(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """`fp32(logits) * inv_temperature` (an fp32 value); at 1.0 `fp32(logits)` itself."""
+    z = logits.float()
+    return z if inv_temperature == 1.0 else z * canonical.fp32(inv_temperature, z)
+
+
 def vocab_parallel_lse(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, contract: LogprobContract,
-                       tp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(lse, selected logit)` fp32 `[len(rows)]` of the rows `rows` of this rank's `[tokens, local vocab]` shard,
-    for global `ids`. `lse` is NaN for a row that holds a NaN or +inf logit or only -inf ones."""
+                       tp_group: Any, inv_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(lse, selected logit)` fp32 `[len(rows)]` of the rows `rows` of this rank's `[tokens, local vocab]` shard
+    read as `z = fp32(x) * inv_temperature`, for global `ids`. `lse` is NaN for a row that holds a NaN or +inf logit
+    or only -inf ones."""
     lo, hi = contract.local_bounds
     width = contract.tile_width
-    stats = [canonical.tile_stats(logits[chunk].float(), width)
+    stats = [canonical.tile_stats(scaled(logits[chunk], inv_temperature), width)
              for chunk in row_chunks(rows, hi - lo, width, logits.shape[0])]
     tiles = -(-(hi - lo) // width)
     m = torch.cat([st[0] for st in stats]) if stats else logits.new_zeros((0, tiles), dtype=torch.float32)
     s = torch.cat([st[1] for st in stats]) if stats else torch.zeros_like(m)
     local = ids - lo
     owned = (local >= 0) & (local < hi - lo)
-    selected = torch.where(owned, logits[rows, local.clamp(0, hi - lo - 1)].float(), 0.0)
+    selected = torch.where(owned, scaled(logits[rows, local.clamp(0, hi - lo - 1)], inv_temperature), 0.0)
     m, s, selected = gather_tile_stats(m, s, selected, ids, contract, tp_group)
     return canonical.lse(*canonical.merge_stats(m, s)), selected
 
 
 def write_grad(grad: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, local_ids: torch.Tensor,
-               lse: torch.Tensor, coef: torch.Tensor, tile_width: int) -> None:
-    """`grad[rows] = coef * (onehot(local_ids) - exp(logits[rows] - lse))` in `grad`'s dtype, chunk by chunk;
+               lse: torch.Tensor, coef: torch.Tensor, tile_width: int, inv_temperature: float = 1.0) -> None:
+    """`grad[rows] = coef * (onehot(local_ids) - exp(z[rows] - lse))` in `grad`'s dtype, chunk by chunk, with
+    `z = fp32(logits) * inv_temperature` (`coef` already holds the factor `inv_temperature` of `dz / dx`);
     `local_ids` outside this shard give no one-hot column."""
     cols = torch.arange(logits.shape[1], device=logits.device)
     start = 0
@@ -83,7 +95,7 @@ def write_grad(grad: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, loc
         part = slice(start, start + chunk.numel())
         start = part.stop
         onehot = (cols == local_ids[part].unsqueeze(1)).to(torch.float32)
-        p = canonical.exp(logits[chunk].float() - lse[part].unsqueeze(1))
+        p = canonical.exp(scaled(logits[chunk], inv_temperature) - lse[part].unsqueeze(1))
         grad[chunk] = (coef[part].unsqueeze(1) * (onehot - p)).to(grad.dtype)
 
 

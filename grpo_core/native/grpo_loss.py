@@ -1,12 +1,13 @@
 """Reference GRPO loss: plain PyTorch autograd over the token formulas of `canonical.py`.
 
-The advantages, the per-sequence token sums and the normalizers are the canonical ones (fixed pairwise trees,
-portable bits); the log-softmax and the exp of the ratio and the KL are torch's own, so this op agrees with the
-deterministic path to fp32 rounding, not to the bit.
+The advantages, the per-sequence token sums, the normalizers and the metrics are the canonical ones (fixed
+pairwise trees, portable bits); the log-softmax and the exp of the ratio and the KL are torch's own, so this op
+agrees with the deterministic path to fp32 rounding, not to the bit. A temperature multiplies the fp32 logits by
+`fp32(1 / temperature)` (as the deterministic path does) before the log-softmax; at 1.0 nothing is multiplied.
 
-Only `policy_logits` receives a gradient: `ref_logits`, `old_logps` and `rewards` are detached, whatever their
-`requires_grad`, as on every backend. A non-finite selected log-probability at an active token raises
-(`contract.check_logprobs`), as on every backend.
+Only `policy_logits` receives a gradient: `ref_logits`, `old_logps`, `rewards` and given `advantages` are
+detached, whatever their `requires_grad`, as on every backend. A non-finite selected log-probability at an
+active token raises (`contract.check_logprobs`), as on every backend.
 """
 
 from __future__ import annotations
@@ -16,31 +17,37 @@ from typing import Any
 import torch
 
 from .. import canonical
-from ..contract import (AdvantageStd, DeterminismScope, GRPOLossContract, LossContractError, TokenNormalizer,
-                        check_inputs, check_logprobs, loss_options)
+from ..contract import (AdvantageStd, AdvantagesInput, DeterminismScope, GRPOLossContract, LossContractError,
+                        LossOptions, TokenNormalizer, check_inputs, check_logprobs, inverse_temperature,
+                        loss_options)
 from ..result import GRPOLossResult, provenance
 from .ratio_kl import selected_logprobs
 
 
 class NativeGRPOLossOp:
     """The reference op: `loss, policy_loss, kl = op(policy_logits, ref_logits, action_ids, old_logps, rewards,
-    completion_mask, clip_eps=0.2, beta=0.04, samples_per_prompt=8)`; `op.apply(..., contract=...)` is the
-    contract path for a single process (TP = DP = 1). The gradient flows into `policy_logits` only."""
+    completion_mask, clip_eps=0.2, beta=0.04, samples_per_prompt=8)`, or with `rewards=None, advantages=...`
+    (computed elsewhere, `[B]` or `[B, T]`; no group options then); `op.apply(..., contract=...)` is the contract
+    path for a single process (TP = DP = 1). The gradient flows into `policy_logits` only."""
 
     backend = "native"
 
     def __call__(self, policy_logits: torch.Tensor, ref_logits: torch.Tensor | None, action_ids: torch.Tensor,
-                 old_logps: torch.Tensor, rewards: torch.Tensor, completion_mask: torch.Tensor,
+                 old_logps: torch.Tensor, rewards: torch.Tensor | None, completion_mask: torch.Tensor,
                  clip_eps: float = 0.2, beta: float = 0.04, samples_per_prompt: int | None = None,
                  group_boundaries: Any = None, *, clip_eps_high: float | None = None,
-                 normalizer: TokenNormalizer | str = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
-                 normalizer_constant: float | None = None, advantage_std: AdvantageStd | str = AdvantageStd.POPULATION
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 normalizer: TokenNormalizer | str | None = None, normalizer_constant: float | None = None,
+                 advantage_std: AdvantageStd | str | None = None, temperature: float = 1.0,
+                 advantages: torch.Tensor | None = None, loss_type: str | None = None,
+                 max_completion_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
+        'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
+        with rewards."""
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
-                         advantage_std)
-        return tuple(self._run(policy_logits, ref_logits, action_ids, old_logps, rewards, o.mask, o.clip_eps,
-                               o.clip_eps_high, o.beta, o.groups, o.std, o.normalizer, o.constant, {}))
+                         advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
+                         max_completion_length=max_completion_length, every_option=True)
+        return tuple(self._run(policy_logits, ref_logits, action_ids, old_logps, rewards, advantages, o, {}))
 
     def supports(self, contract: GRPOLossContract) -> list[str]:
         """Reasons this op cannot serve `contract` (empty when it can)."""
@@ -55,42 +62,52 @@ class NativeGRPOLossOp:
         return reasons
 
     def apply(self, policy_local_logits: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor,
-              rewards: torch.Tensor, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
-              ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None
-              ) -> GRPOLossResult:
+              rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
+              ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
+              advantages: torch.Tensor | None = None) -> GRPOLossResult:
+        """`rewards` or `advantages`: the one `contract.advantages_input` declares."""
         reasons = self.supports(contract)
         if reasons:
             raise LossContractError("contract: the native op cannot serve it: " + "; ".join(reasons))
+        kind = contract.advantages_input
         check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                     beta=contract.beta, values=False, rewards_required=True)  # types before the contract's shape
+                     beta=contract.beta, values=False, rewards_required=True, advantages=advantages,
+                     advantages_input=kind)  # types before the contract's shape
         expected = (contract.num_sequences, contract.padded_seq_len, contract.vocab_size)
         if tuple(policy_local_logits.shape) != expected:
             raise LossContractError(f"policy_local_logits: expected [num_sequences, padded_seq_len, vocab_size] = "
                                     f"{list(expected)} from the contract, got {list(policy_local_logits.shape)}")
         mask = check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                            beta=contract.beta, rewards_required=True)
-        return self._run(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, mask,
-                         contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
-                         contract.advantage_std, contract.normalizer, contract.normalizer_constant,
-                         {"fingerprint": contract.fingerprint()})
+                            beta=contract.beta, rewards_required=True, advantages=advantages, advantages_input=kind)
+        return self._run(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, advantages,
+                         LossOptions.of(contract, mask), {"fingerprint": contract.fingerprint()})
 
-    def _run(self, policy_logits, ref_logits, action_ids, old_logps, rewards, mask, clip_eps, clip_eps_high, beta,
-             groups, std, normalizer, constant, extra) -> GRPOLossResult:
-        old_logps, rewards = old_logps.detach(), rewards.detach()  # the gradient flows into policy_logits only
-        advantages = canonical.group_advantages(rewards, groups, std)
-        logp = selected_logprobs(policy_logits, action_ids, mask)
+    def _run(self, policy_logits, ref_logits, action_ids, old_logps, rewards, advantages, o: LossOptions,
+             extra) -> GRPOLossResult:
+        mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
+        if o.advantages_input is AdvantagesInput.REWARDS:
+            advantages = adv = canonical.group_advantages(rewards.detach(), o.groups, o.std)
+        else:
+            advantages = advantages.detach().to(torch.float32, copy=True)  # reported as given
+            adv = canonical.used_advantages(advantages, mask)
+        inv = inverse_temperature(o.temperature)
+        logp = selected_logprobs(policy_logits, action_ids, mask, inv)
         logp_ref = None
         if ref_logits is not None:
             with torch.no_grad():
-                logp_ref = selected_logprobs(ref_logits, action_ids, mask)
+                logp_ref = selected_logprobs(ref_logits, action_ids, mask, inv)
         check_logprobs(logp.detach(), logp_ref, mask)
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp)
-        policy_tok = canonical.clipped_surrogate(ratio, advantages, mask,
-                                                 *canonical.clip_bounds(clip_eps, clip_eps_high, logp))
+        lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp)
+        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi)
         per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
                                               mask.sum(dim=-1))
-        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, beta, normalizer, constant)
+        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
+                                                  o.constant)
+        ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
+        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
+                                                                           counts)
         return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
                               per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
-                              per_sequence_active_tokens=counts,
-                              provenance=provenance(self.backend, policy_logits, **extra))
+                              per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
+                              kl_token_mean=kl_token_mean, provenance=provenance(self.backend, policy_logits, **extra))

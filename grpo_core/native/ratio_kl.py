@@ -13,9 +13,13 @@ from .. import canonical
 from ..contract import check_inputs, check_logprobs
 
 
-def selected_logprobs(logits: torch.Tensor, action_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`log_softmax(logits)[action]` in fp32 at active tokens, exactly 0.0 elsewhere; `[B, T]`."""
+def selected_logprobs(logits: torch.Tensor, action_ids: torch.Tensor, mask: torch.Tensor,
+                      inv_temperature: float = 1.0) -> torch.Tensor:
+    """`log_softmax(logits * inv_temperature)[action]` in fp32 at active tokens, exactly 0.0 elsewhere; `[B, T]`.
+    `inv_temperature` is an fp32 value (`contract.inverse_temperature`); at 1.0 nothing is multiplied."""
     rows = logits[mask].float()
+    if inv_temperature != 1.0:
+        rows = rows * canonical.fp32(inv_temperature, rows)
     picked = torch.log_softmax(rows, dim=-1).gather(-1, action_ids[mask].long().unsqueeze(-1)).squeeze(-1)
     return torch.zeros(mask.shape, dtype=torch.float32, device=logits.device).masked_scatter(mask, picked)
 
