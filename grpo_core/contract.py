@@ -13,8 +13,8 @@ checked: they may hold anything.
 Options added for users of other GRPO implementations (`temperature`, given `advantages`, `loss_type`,
 `advantage_std="unbiased_eps"`) enter the fingerprint only when they differ from their defaults, so that the
 fingerprint of a contract that does not use them, and every golden recorded with one, stays what it was.
-Until the Triton kernels take them, `kernel_pending` names the ones a call sets (the backends refuse them or
-run their torch code, and say so).
+The distributed op takes all of them on both of its kernels; the fast Triton op does not take them yet:
+`kernel_pending` names the ones a call sets, which it refuses (the automatic choice runs native).
 """
 
 from __future__ import annotations
@@ -384,11 +384,6 @@ class GRPOLossContract:
         fixed_constant, the max completion length for sequences_times_max_length, else None."""
         return normalizer_value(self.normalizer, self.normalizer_constant, self.max_completion_length,
                                 self.padded_seq_len)
-
-    def kernel_pending(self) -> list[tuple[str, str]]:
-        """The options this contract sets that the Triton kernels do not take yet (see `kernel_pending`)."""
-        return kernel_pending(temperature=self.temperature, advantages_input=self.advantages_input,
-                              normalizer=self.normalizer, advantage_std=self.advantage_std, loss_type=self.loss_type)
 
     def numeric_fields(self) -> dict[str, Any]:
         """The fields that change the numbers, rank indices left out, floats as exact hex strings. The options

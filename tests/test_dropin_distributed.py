@@ -1,8 +1,7 @@
 """The distributed op with the options added for migration (temperature, given advantages, TRL / Liger loss types,
-TRL's std, the metrics): every TP x DP layout of four ranks gives the single-rank bits, on the torch kernels (the
-Triton kernels do not take these options yet: kernels='auto' says so in the provenance, kernels='triton'
-refuses). One world of real processes runs every check, as in `test_distributed_grpo_loss.py`, whose layouts and
-comparison this file shares."""
+TRL's std, the metrics): every TP x DP layout of four ranks gives the single-rank bits, and the Triton kernels
+give the torch kernels' bits. One world of real processes runs every check, as in `test_distributed_grpo_loss.py`,
+whose layouts and comparison this file shares."""
 
 from __future__ import annotations
 
@@ -168,22 +167,18 @@ def test_single_rank_matches_native_within_fp32_tolerance():
         assert_close_verbose(got["grad"], x.grad, atol=1e-6, rtol=1e-4, what=f"case {case['seed']} grad")
 
 
-def test_kernels_auto_runs_torch_and_says_why_explicit_triton_refuses(monkeypatch):
-    case = CASES[0]
+@pytest.mark.parametrize("case", CASES, ids=[str(c["seed"]) for c in CASES])
+def test_triton_kernels_give_the_torch_bits_with_every_option(case):
+    """Temperature and given advantages (per sequence, per token) run in the kernels; loss types, the std and the
+    metrics on the per-sequence vectors: the bits of the torch kernels, under the interpreter and on a GPU."""
     inp = case_inputs(case)
     c = contract_for(case, Layout(1, 1))
-    want = run_local(inp, c, "cpu", op=DistributedGRPOLossOp(kernels="torch"))
-    with pytest.raises(LossContractError, match=r"^temperature: the distributed op's Triton kernels do not support "
-                                                r"temperature=0.7 yet; use kernels='torch' or 'auto'$"):
-        run_local(inp, c, "cpu", op=DistributedGRPOLossOp(kernels="triton"))
-    monkeypatch.setattr(DistributedGRPOLossOp, "_triton_runs", lambda self, logits, tile: True)  # as on a GPU
-    auto = DistributedGRPOLossOp(kernels="auto")
-    x = inp["policy_logits"].clone().requires_grad_(True)
-    res = auto.apply(x, inp["action_ids"], inp["old_logps"], inp["rewards"], contract=c,
-                     completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"])
-    assert res.provenance["kernels"] == "torch"
-    assert res.provenance["kernels_note"].startswith("the Triton kernels do not take temperature=0.7 yet")
-    assert_bitwise_equal(res.loss, want["loss"], "auto on the torch kernels")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = run_local(inp, c, dev, op=DistributedGRPOLossOp(kernels="triton"))
+    want = run_local(inp, c, dev, op=DistributedGRPOLossOp(kernels="torch"))
+    assert (got.pop("kernels"), want.pop("kernels")) == ("triton", "torch")
+    for f in FIELDS:
+        assert_bitwise_equal(got[f], want[f], f"case {case['seed']} {f}")
 
 
 def test_temperature_one_changes_no_bit_of_the_distributed_path():

@@ -25,8 +25,10 @@ SKIP = shutil.ignore_patterns(".git", ".nox", "runs", "build", "dist", "*.egg-in
 def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     shutil.copytree(ROOT, tmp / "src", ignore=SKIP)  # a copy: the build leaves nothing in the checkout
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"),
-                           str(tmp / "src")], capture_output=True, text=True, timeout=600)
+    # The environment's own setuptools when there is one: a machine without an index (the GPU image) cannot fetch one.
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *isolation, "-w",
+                           str(tmp / "dist"), str(tmp / "src")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (found,) = (tmp / "dist").glob("grpo_core-*.whl")
     return found

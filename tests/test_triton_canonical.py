@@ -127,7 +127,7 @@ def _world(ctx) -> list[str]:
     failures = []
     inp = make_inputs(4, 3, 520, seed=11, wide=True, empty_rows=(2,))
     for over in (dict(), dict(normalizer="per_sequence_then_mean", group_boundaries=(0, 3, 4), samples_per_prompt=None,
-                              advantage_std="none")):
+                              advantage_std="none"), dict(temperature=0.7, loss_type="grpo")):
         want = run(DistributedGRPOLossOp(kernels="torch"), inp, contract(520, 4, 3, vocab_tile=32, **over))
         for lay in LAYOUTS:
             p = ctx.place(lay)

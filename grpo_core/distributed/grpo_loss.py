@@ -12,9 +12,9 @@ extra memory is one gradient in the logits' dtype plus `O(tokens * vocab / tile_
 
 A temperature multiplies the fp32 logits by `inv = fp32(1 / temperature)` (one multiply per element, policy and
 reference) before the tiles; the gradient is `((coef * grad_output) * inv) * (onehot - softmax(z))`. At 1.0 nothing
-is multiplied (the bits of the default math). The Triton kernels do not take the options added for migration yet
-(`contract.kernel_pending`): with one of them, kernels="auto" runs the torch kernels and says so in the provenance
-(`kernels_note`), kernels="triton" refuses the call.
+is multiplied (the bits of the default math). The Triton kernels and the torch ones compute the same operations
+for every option (temperature and given advantages in the kernels; loss types, the std and the metrics on the
+small per-sequence vectors, with the torch code of `canonical.py` either way).
 """
 
 from __future__ import annotations
@@ -109,20 +109,6 @@ class DistributedGRPOLossOp:
                                     f"interpreter), got policy_local_logits on {logits.device}; use kernels='torch'")
         return True
 
-    def _kernels(self, logits: torch.Tensor, contract: GRPOLossContract) -> tuple[bool, str | None]:
-        """Whether the Triton kernels run, and why the torch ones run instead when an option of the contract is
-        not in the Triton kernels yet (None otherwise)."""
-        pending = contract.kernel_pending()
-        if not pending or self.kernels == "torch":
-            return self._triton_runs(logits, contract.vocab_tile), None
-        if self.kernels == "triton":
-            raise LossContractError("; ".join(f"{name}: the distributed op's Triton kernels do not support {what} "
-                                              f"yet; use kernels='torch' or 'auto'" for name, what in pending))
-        if not self._triton_runs(logits, contract.vocab_tile):
-            return False, None
-        return False, ("the Triton kernels do not take " + ", ".join(what for _, what in pending) +
-                       " yet: the torch kernels ran (the same math)")
-
     @staticmethod
     def _token_sum(terms: torch.Tensor) -> torch.Tensor:
         """Each sequence's token sum (a fixed tree over `padded_seq_len`)."""
@@ -138,13 +124,13 @@ class DistributedGRPOLossOp:
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
         pending.raise_pending()
-        triton_runs, kernels_note = False, None
+        triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
                    "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask}
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
-            nonlocal triton_runs, kernels_note
+            nonlocal triton_runs
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
@@ -156,7 +142,7 @@ class DistributedGRPOLossOp:
                     f"policy_local_logits: expected [owned sequences, padded_seq_len, local vocab] = {list(expected)}"
                     f" from the contract (sequences {seq_lo}:{seq_hi}, vocab {v_lo}:{v_hi}), got "
                     f"{list(policy_local_logits.shape)}")
-            triton_runs, kernels_note = self._kernels(policy_local_logits, contract)
+            triton_runs = self._triton_runs(policy_local_logits, contract.vocab_tile)
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                                 beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
                                 rewards_required=True, values=not triton_runs, advantages=advantages,
@@ -193,7 +179,7 @@ class DistributedGRPOLossOp:
         lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
         if triton_runs:
             logp, logp_ref, lse, sums, bad = self._triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group,
-                                                                 clip_lo, clip_hi)
+                                                                 clip_lo, clip_hi, inv)
             local_policy, local_kl = sums[0], sums[1]
             ratio = canonical.ratio_and_kl(logp, None, old, mask)[0]  # for the metrics
             # The value checks the preflight skipped, as per-sequence flags: no device sync.
@@ -201,7 +187,12 @@ class DistributedGRPOLossOp:
             wrong = mask & ((ids < 0) | (ids >= contract.vocab_size) | ~torch.isfinite(old))
             if completion_mask.dtype != torch.bool:
                 wrong |= (completion_mask != 0) & (completion_mask != 1)
-            bad = bad + wrong.any(-1) + ~torch.isfinite(rewards.detach().to(torch.float32))
+            if contract.advantages_input is AdvantagesInput.REWARDS:
+                bad = bad + wrong.any(-1) + ~torch.isfinite(rewards.detach().to(torch.float32))
+            else:  # given advantages: finite where an active token reads them
+                nonfinite = ~torch.isfinite(given)
+                bad = bad + wrong.any(-1) + (
+                    (mask & nonfinite).any(-1) if given.dim() == 2 else mask.any(-1) & nonfinite)
         else:
             rows = mask.reshape(-1).nonzero().squeeze(1)
             ids = action_ids.reshape(-1)[rows].long()
@@ -226,7 +217,7 @@ class DistributedGRPOLossOp:
         counts, flags, clipped = ints[:, 0], ints[:, 1], ints[:, 2]
         if triton_runs:  # every rank holds the gathered flags: all raise together, at their next call
             self._defer(flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
-                        old_logps, rewards, completion_mask, logp, logp_ref)
+                        old_logps, rewards, advantages, completion_mask, logp, logp_ref)
         elif bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
             check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
         sums_all = gather_sequences(torch.stack([local_policy, local_kl, local_ratio], -1), contract, dp_group)
@@ -241,7 +232,7 @@ class DistributedGRPOLossOp:
 
                 def backward(logits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
                     return kernels.grad(logits, action_ids, mask, logp, logp_ref, old, adv, w, lse, grad_loss, v_lo,
-                                        clip_lo, clip_hi, contract.beta)
+                                        clip_lo, clip_hi, contract.beta, inv)
             else:
                 coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, mask, lo_t, hi_t, contract.beta)
                 coef = coef.reshape(-1)[rows]
@@ -256,30 +247,31 @@ class DistributedGRPOLossOp:
                     return grad.view(logits.shape)
 
             loss = _Loss.apply(policy_local_logits, loss, backward)
-        extra = {} if kernels_note is None else {"kernels_note": kernels_note}
         return GRPOLossResult(
             loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy,
             per_sequence_kl=per_seq_kl, advantages=advantages_all, per_sequence_active_tokens=counts,
             clip_fraction=clip_fraction, mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
             provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID,
-                                  kernels="triton" if triton_runs else "torch", **extra,
+                                  kernels="triton" if triton_runs else "torch",
                                   fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
                                   determinism_scope=contract.determinism_scope.value))
 
     @staticmethod
-    def _defer(flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, completion_mask, logp,
-               logp_ref) -> None:
+    def _defer(flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
+               completion_mask, logp, logp_ref) -> None:
         """Hands the gathered per-sequence flags to `pending` with this rank's copies of the small inputs; the
         precise error comes from the rank that holds the bad value, the others name the sequences."""
         (seq_lo, seq_hi), (v_lo, v_hi) = contract.sharding.sequence_bounds, contract.sharding.vocab_bounds
-        kept = [t.detach().clone() for t in (action_ids, old_logps, rewards, completion_mask)]
+        kept = [None if t is None else t.detach().clone()
+                for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
         shapes = [None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
                   for t in (policy, ref)]
 
         def recheck() -> None:
-            mask = check_inputs(*shapes, *kept, beta=contract.beta, vocab_size=contract.vocab_size,
-                                num_rewards=seq_hi - seq_lo, rewards_required=True)
+            mask = check_inputs(*shapes, *kept[:4], beta=contract.beta, vocab_size=contract.vocab_size,
+                                num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=kept[4],
+                                advantages_input=contract.advantages_input)
             check_logprobs(logp, logp_ref, mask)
             seqs = flags.nonzero().flatten()[:8].tolist()
             raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward or old "
@@ -291,12 +283,13 @@ class DistributedGRPOLossOp:
             pending.defer(flags.any(), recheck, "grpo_loss (distributed, triton kernels)")
 
     @staticmethod
-    def _triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group, clip_lo, clip_hi):
+    def _triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group, clip_lo, clip_hi, inv):
         """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [2, n], bad [n])`."""
         from ..triton import canonical as kernels
         n, T = mask.shape
         v_lo = lp.local_bounds[0]
-        out, stats = kernels.row_lse(x, ref, action_ids, mask, v_lo, lp.tile_width, len(lp.vocab_shard_bounds) > 1)
+        out, stats = kernels.row_lse(x, ref, action_ids, mask, v_lo, lp.tile_width, len(lp.vocab_shard_bounds) > 1,
+                                     inv)
         sel, lse, sel_ref, lse_ref = out[0], out[1], out[2], out[3]
         if stats is not None:
             ids = action_ids.reshape(-1).long()
