@@ -10,6 +10,8 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter on the CPU (read at import time)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from grpo_core import raise_pending  # noqa: E402
+
 torch.set_num_threads(int(os.environ.get("GRPO_TEST_THREADS", "1")))
 
 HAS_CUDA = torch.cuda.is_available()
@@ -70,6 +72,13 @@ def assert_close_verbose(actual: torch.Tensor, expected: torch.Tensor, *, atol: 
         idx = torch.nonzero(bad)[:5].tolist()
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements outside atol={atol} rtol={rtol}; "
                              f"first at {idx}; worst abs error {err.max().item():.3e}")
+
+
+@pytest.fixture(autouse=True)
+def no_pending_value_check():
+    """A deferred value check (Triton on CUDA) left unread fails the test that left it, not the next one."""
+    yield
+    raise_pending()
 
 
 @pytest.fixture(params=DEVICES)

@@ -411,7 +411,8 @@ def test_goldens_refuse_a_working_tree_with_uncommitted_changes(tmp_path):
     gold = tmp_path / "golden"
     shutil.copytree(GOLDEN, gold)
     before = {p.name: p.read_bytes() for p in gold.iterdir()}
-    proc = subprocess.run([sys.executable, "-m", "harness", "goldens", "--golden-dir", str(gold)], cwd=clone,
+    env = {**os.environ, "PYTHONPATH": str(clone)}  # the clone's harness, whatever the environment exports
+    proc = subprocess.run([sys.executable, "-m", "harness", "goldens", "--golden-dir", str(gold)], cwd=clone, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = proc.stderr.strip().splitlines()

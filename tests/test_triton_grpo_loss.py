@@ -181,11 +181,11 @@ def test_bad_ids_raise_without_reading_out_of_bounds():
     inp = make_inputs(2, 3, 17, seed=1, device=DEV)
     inp["action_ids"][1, 0] = 17
     with pytest.raises(LossContractError, match=r"action_ids: expected ids in \[0, 17\)"):
-        triton(**inp, samples_per_prompt=2)
+        triton(**inp, samples_per_prompt=2, check_values="sync")
     inp["action_ids"][1, 0] = 0
     inp["rewards"][0] = float("inf")
     with pytest.raises(LossContractError, match="rewards: expected finite values"):
-        triton(**inp, samples_per_prompt=2)
+        triton(**inp, samples_per_prompt=2, check_values="sync")
 
 
 @pytest.mark.parametrize("single_pass", [True, False])
