@@ -31,34 +31,27 @@ def usage_error(prog: str, err: UsageError) -> int:
     return 2
 
 
-def positive_int(text: str) -> int:
+def _checked(text: str, cast, ok, expected: str):
+    """`cast(text)` when `ok` of it, else an argparse error naming what is accepted."""
     try:
-        value = int(text)
+        value = cast(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return value
+    return _checked(text, float, lambda v: v > 0, "a number of seconds > 0")
 
 
 def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
-    return value
+    return _checked(text, float, lambda v: 0.0 < v <= 1.0, "a fraction in (0, 1]")
 
 
 def layout_name(text: str) -> str:

@@ -12,6 +12,7 @@ from conftest import assert_bitwise_equal, assert_close_verbose, bits, make_inpu
 from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 from harness.topology import Layout, run_world
+from test_distributed_grpo_loss import _expect_error as _error
 
 S, T = 8, 32
 LAYOUTS = [Layout(1, 1), Layout(2, 1), Layout(4, 1), Layout(1, 2), Layout(1, 4), Layout(2, 2)]
@@ -66,14 +67,6 @@ def run_local(inp: dict, contract: GRPOLossContract, device, tp_group=None, dp_g
     out = {f: getattr(res, f).detach().cpu() for f in FIELDS if f != "grad"}
     out["grad"], out["kernels"] = x.grad.cpu(), res.provenance["kernels"]
     return out
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except LossContractError as exc:
-        return str(exc)
-    return "NO ERROR"
 
 
 def world_suite(ctx) -> dict:
