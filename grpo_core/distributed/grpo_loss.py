@@ -98,15 +98,15 @@ class DistributedGRPOLossOp:
         if self.kernels == "torch" or (self.kernels == "auto" and not (
                 logits.is_cuda and importlib.util.find_spec("triton") is not None)):
             return False
+        if self.kernels == "triton" and not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise LossContractError(f"kernels: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                                    f"interpreter), got policy_local_logits on {logits.device}; use kernels='torch'")
         from ..triton.canonical import MAX_TILE
         if tile_width > MAX_TILE:
             if self.kernels == "auto":
                 return False
             raise LossContractError(f"vocab_tile: the Triton kernels take tiles of at most {MAX_TILE} columns, got "
                                     f"{tile_width}; use kernels='torch'")
-        if self.kernels == "triton" and not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise LossContractError(f"kernels: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
-                                    f"interpreter), got policy_local_logits on {logits.device}; use kernels='torch'")
         return True
 
     @staticmethod
