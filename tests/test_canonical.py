@@ -5,7 +5,6 @@ inputs spread over every binade of each range, plus the edges, keep CI honest.""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -18,7 +17,6 @@ import torch
 
 from conftest import assert_bitwise_equal, assert_close_verbose, bits
 from grpo_core import canonical
-from harness.scenarios import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[1]
 FLT_MAX = float(np.finfo(np.float32).max)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_bitwise_equal, assert_close_verbose, bits, make_inputs
-from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, kernel_registry
+from grpo_core import GRPOLossContract, ShardingSpec, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 from harness.topology import Layout, run_world
 from test_distributed_grpo_loss import _expect_error as _error

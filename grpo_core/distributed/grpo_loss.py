@@ -160,7 +160,7 @@ class DistributedGRPOLossOp:
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         s = contract.sharding
-        (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
+        (seq_lo, seq_hi), v_lo = s.sequence_bounds, s.vocab_bounds[0]
         n_local, T = seq_hi - seq_lo, contract.padded_seq_len
         lp = contract.logprob_contract
         x = policy_local_logits.detach()
@@ -262,7 +262,7 @@ class DistributedGRPOLossOp:
                completion_mask, logp, logp_ref) -> None:
         """Hands the gathered per-sequence flags to `pending` with this rank's copies of the small inputs; the
         precise error comes from the rank that holds the bad value, the others name the sequences."""
-        (seq_lo, seq_hi), (v_lo, v_hi) = contract.sharding.sequence_bounds, contract.sharding.vocab_bounds
+        seq_lo, seq_hi = contract.sharding.sequence_bounds
         kept = [None if t is None else t.detach().clone()
                 for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
         shapes = [None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
