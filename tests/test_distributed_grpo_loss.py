@@ -66,11 +66,11 @@ def run_local(inp: dict, contract: GRPOLossContract, device, tp_group=None, dp_g
     return out
 
 
-def compare(got: dict, want: dict, contract: GRPOLossContract, label: str) -> list[str]:
+def compare(got: dict, want: dict, contract: GRPOLossContract, label: str, fields=FIELDS) -> list[str]:
     """Bitwise comparison of one rank's outputs with the single-rank reference (gradient: this rank's slice)."""
     (lo, hi), (vlo, vhi) = contract.sharding.sequence_bounds, contract.sharding.vocab_bounds
     bad = []
-    for f in FIELDS:
+    for f in fields:
         w = want[f][lo:hi, :, vlo:vhi] if f == "grad" else want[f]
         try:
             assert_bitwise_equal(got[f], w, f"{label} {f}")
