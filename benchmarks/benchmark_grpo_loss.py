@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import copy_bandwidth, make_inputs, parse_configs, provenance, report, timed  # noqa: E402
-from grpo_core import (AdvantageStd, GRPOLossContract, ShardingSpec, TokenNormalizer, canonical,  # noqa: E402
+from grpo_core import (AdvantageStd, GRPOLossContract, ShardingSpec, TokenNormalizer,  # noqa: E402
                        kernel_registry)
 from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
 from grpo_core.triton import canonical as kernels  # noqa: E402
@@ -53,18 +53,15 @@ class _OneTPRank(torch.autograd.Function):
         W = 128
         lo = ShardingSpec.uniform(vocab_size=V, num_sequences=B, tp_world_size=tp).vocab_bounds[0]
         mask, ids = inp["completion_mask"], inp["action_ids"]
-        out, stats = kernels.row_lse(x, inp["ref_logits"], ids, mask, lo, W, stats=True)
-        lse, lse_ref = (kernels.merge_lse(torch.cat([stats[k]] * tp, -1), mask, W) for k in (0, 1))
-        flat = mask.reshape(-1)
-        logp = torch.where(flat, out[0] - lse, 0.0).view(B, T)
-        logp_ref = torch.where(flat, out[2] - lse_ref, 0.0).view(B, T)
-        adv = canonical.group_advantages(inp["rewards"], tuple(range(0, B + 1, spp)), AdvantageStd.POPULATION)
-        sums, _ = kernels.sequence_sums(logp, logp_ref, inp["old_logps"], mask, adv, 0.8, 1.2)
-        counts = mask.sum(-1)
-        loss = canonical.combine(sums[0], sums[1], counts, 0.04, TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
-                                 None)[0]
-        w = canonical.token_weights(counts, TokenNormalizer.GLOBAL_ACTIVE_TOKENS, None)
-        ctx.save_for_backward(x, ids, mask, logp, logp_ref, inp["old_logps"], adv, w, lse)
+        sel, stats = kernels.row_stats(x, inp["ref_logits"], ids, mask, lo, W)
+        lse = kernels.merge_lse(torch.cat([stats] * tp, -1), mask)
+        logp, logp_ref = torch.where(mask.reshape(-1), sel - lse, 0.0).view(2, B, T)
+        adv = kernels.group_advantages(inp["rewards"], tuple(range(0, B + 1, spp)), AdvantageStd.POPULATION)
+        sums, ints = kernels.sequence_sums(logp, logp_ref, inp["old_logps"], mask, ids, adv, inp["rewards"], V, 0.8,
+                                           1.2)
+        scalars, w, _ = kernels.finish(sums, ints, 0.04, TokenNormalizer.GLOBAL_ACTIVE_TOKENS, None)
+        loss = scalars[0]
+        ctx.save_for_backward(x, ids, mask, logp, logp_ref, inp["old_logps"], adv, w, lse[0])
         ctx.lo = lo
         return loss
 

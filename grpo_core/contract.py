@@ -630,6 +630,12 @@ _SOURCE_WORDS = {AdvantagesInput.REWARDS: "rewards", AdvantagesInput.SEQUENCE: "
                  AdvantagesInput.TOKEN: "advantages [B, T] (one per token)"}
 
 
+def stand_in(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor with this shape, dtype and device and no storage to speak of (one element, expanded): what
+    `check_inputs` reads of the logits when a check runs after the call."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
 def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps: Any, rewards: Any,
                  completion_mask: Any, *, beta: float, vocab_size: int | None = None,
                  num_rewards: int | None = None, values: bool = True, rewards_required: bool = False,

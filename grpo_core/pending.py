@@ -1,14 +1,18 @@
-"""Value checks without a device sync: a GPU call's bad-value flags are read later, and surely.
+"""Value checks without a device sync: a GPU call's bad-value flag is read later, and surely.
 
 A call on CUDA tensors flags bad values on the device (ids outside `[0, V)`, mask values other than 0 / 1,
-non-finite rewards or old log-probs, non-finite log-probs at active tokens) and hands the flags here with copies
-of the small inputs the precise check needs. The flags travel to pinned host memory without blocking the host.
-The error, the same `LossContractError` the native op raises, prefixed with the call that had the bad value,
-surfaces:
-- at the start of the next call of any grpo_core op that defers its checks (it waits for the earlier calls'
-  flags if the GPU has not produced them yet: the host never runs more than one call ahead of an unread flag);
-- or at `raise_pending()`, for whoever wants certainty at a given point (before an optimizer step, say).
-The call that had the bad value returns numbers that must not be used; after the error, nothing is pending.
+non-finite rewards, advantages or old log-probs, non-finite log-probs at active tokens) and hands the flag here
+with the call's inputs, which the precise check reads. The flag travels to a slot of a pinned host ring without
+blocking the host. The error, the same `LossContractError` the native op raises, prefixed with the call that had
+the bad value, surfaces:
+- at the start of a later call of any grpo_core op that defers its checks (`poll()`), once the GPU has produced
+  the flag: a call waits for a flag only when `AHEAD` calls' flags are still unread, so the host keeps running
+  ahead of the GPU and the error comes at the latest `AHEAD` calls after the bad one;
+- or at `raise_pending()`, which waits for every flag, for whoever wants certainty at a given point (before an
+  optimizer step, say).
+The call that had the bad value returns numbers that must not be used; after the error, nothing is pending. The
+inputs are not copied: a caller that overwrites them in place before the error surfaces gets an error that says
+the kernels flagged a value the inputs no longer show.
 """
 
 from __future__ import annotations
@@ -22,46 +26,55 @@ import torch
 
 from .contract import LossContractError
 
-__all__ = ["defer", "raise_now", "raise_pending"]
+__all__ = ["defer", "poll", "raise_now", "raise_pending"]
+
+AHEAD = 2  # calls whose flags may be unread when a new call starts
+_RING = 64  # pinned slots per flag dtype; a slot is reused `_RING` calls later, long after it was read
 
 
 @dataclass
 class _Check:
     call: int
     label: str
-    flags: torch.Tensor  # pinned host copy, nonzero = a bad value
+    flag: torch.Tensor  # a pinned host slot, nonzero = a bad value
     event: torch.cuda.Event
-    recheck: Callable[[], None]  # raises the precise LossContractError from copies of the inputs
+    recheck: Callable[[], None]  # raises the precise LossContractError from the inputs
 
 
 _calls = itertools.count(1)
 _pending: collections.deque[_Check] = collections.deque()
+_rings: dict[torch.dtype, torch.Tensor] = {}
 
 
-def defer(flags: torch.Tensor, recheck: Callable[[], None], label: str) -> None:
-    """Queues the device tensor `flags` (nonzero: a bad value) of one call of `label`; `recheck()` must raise the
-    precise error. CPU flags are read at once (there is no device to overlap with)."""
+def defer(flag: torch.Tensor, recheck: Callable[[], None], label: str) -> None:
+    """Queues the 0-d device tensor `flag` (nonzero: a bad value) of one call of `label`; `recheck()` must raise
+    the precise error. CPU flags are read at once (there is no device to overlap with)."""
     call = next(_calls)
-    if not flags.is_cuda:
-        if bool(flags.any()):
+    if not flag.is_cuda:
+        if bool(flag):
             _raise(call, label, recheck)
         return
-    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-    host.copy_(flags, non_blocking=True)
+    if flag.dtype not in _rings:
+        _rings[flag.dtype] = torch.zeros(_RING, dtype=flag.dtype, pin_memory=True)
+    host = _rings[flag.dtype][call % _RING]
+    host.copy_(flag, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(flag.device))
     _pending.append(_Check(call, label, host, event, recheck))
 
 
+def poll() -> None:
+    """At the start of a call: raises the error of the earliest call whose flag shows a bad value, among the flags
+    the GPU has produced and, waiting for them, the oldest ones beyond `AHEAD - 1` unread."""
+    while _pending and (len(_pending) >= AHEAD or _pending[0].event.query()):
+        _read(_pending.popleft(), wait=True)
+
+
 def raise_pending() -> None:
-    """Raises the error of the earliest pending call that had a bad value (waiting for its flags if needed); the
+    """Raises the error of the earliest pending call that had a bad value (waiting for its flag if needed); the
     others are dropped with it. Returns at once when nothing is pending."""
     while _pending:
-        check = _pending.popleft()
-        check.event.synchronize()
-        if bool(check.flags.any()):
-            _pending.clear()
-            _raise(check.call, check.label, check.recheck)
+        _read(_pending.popleft(), wait=True)
 
 
 def raise_now(flags: torch.Tensor, recheck: Callable[[], None]) -> None:
@@ -71,10 +84,18 @@ def raise_now(flags: torch.Tensor, recheck: Callable[[], None]) -> None:
         raise LossContractError("the kernels flagged a bad input value that the host check did not find")
 
 
+def _read(check: _Check, wait: bool = False) -> None:
+    if wait:
+        check.event.synchronize()
+    if bool(check.flag):
+        _pending.clear()
+        _raise(check.call, check.label, check.recheck)
+
+
 def _raise(call: int, label: str, recheck: Callable[[], None]) -> None:
     try:
         recheck()
     except LossContractError as exc:
         raise LossContractError(f"{label} (call #{call}, checked after it returned): {exc}") from None
     raise LossContractError(f"{label} (call #{call}, checked after it returned): the kernels flagged a bad input "
-                            f"value that the inputs' copies do not show")
+                            f"value that the inputs do not show now (overwritten in place after the call?)")

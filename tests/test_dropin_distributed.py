@@ -25,6 +25,7 @@ CASES = [
     dict(V=1000, source="token", loss_type="grpo", temperature=0.9, beta=0.0),
     dict(V=1031, advantage_std="unbiased_eps", loss_type="dapo", groups=dict(group_boundaries=(0, 3, 5, 8))),
     dict(V=1000, source="sequence", loss_type="grpo", empty=(0, 1, 2, 3)),  # dp2 / dp4's first ranks: all empty
+    dict(V=1000, advantage_std="unbiased", loss_type="bnpo", groups=dict(samples_per_prompt=2)),
 ]
 CASES = [dict(case, seed=i) for i, case in enumerate(CASES)]
 OP = DistributedGRPOLossOp()

@@ -90,12 +90,15 @@ def test_triton_kernels_give_the_reference_bits(dtype, normalizer, constant):
     assert_same(got, want, c, f"{dtype} {normalizer}")
 
 
-@pytest.mark.parametrize("width, chunk, V", [(16, 64, 1000), (128, 256, 3001), (8, 8, 77), (512, 4096, 700),
-                                             (128, 4096, 1)])
-def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, V):
-    """Chunks of several tiles, one tile per chunk, a chunk count that is not a power of two, partial tiles."""
+@pytest.mark.parametrize("width, chunk, merge, V", [(16, 64, 16, 1000), (128, 256, 64, 3001), (8, 8, 4096, 77),
+                                                    (512, 4096, 2, 700), (128, 4096, 4096, 1)])
+def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, merge, V):
+    """Chunks of several tiles, one tile per chunk, a chunk count that is not a power of two, partial tiles; merges
+    of several blocks of tiles per row, and of several rows per program."""
     monkeypatch.setattr(kernels, "CHUNK", chunk)
+    monkeypatch.setattr(kernels, "MERGE_BLOCK", merge)
     monkeypatch.setattr(kernels, "BLOCK_T", 2)  # several token chunks per sequence too
+    monkeypatch.setattr(kernels, "BLOCK_S", 1)  # and several chunks of sequences in the finish
     inp = make_inputs(2, 5, V, seed=V, wide=True, dtype=torch.bfloat16 if V == 1 else torch.float32)
     c = contract(V, 2, 5, vocab_tile=width)
     assert_same(run(DistributedGRPOLossOp(kernels="triton"), inp, c),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, make_inputs
-from grpo_core import LossContractError, kernel_registry, raise_pending
+from grpo_core import LossContractError, kernel_registry, pending, raise_pending
 from grpo_core.canonical import group_advantages as native_advantages
 from grpo_core.contract import AdvantageStd
 
@@ -239,17 +239,23 @@ def test_bad_values_raise_like_native(bad, match, single_pass):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: on the CPU the check is immediate")
-def test_deferred_check_raises_at_the_next_call_naming_the_bad_one():
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_deferred_check_raises_at_a_later_call_naming_the_bad_one(overwrite):
     inp = make_inputs(2, 3, 17, seed=1, device=DEV)
     bad = {**inp, "old_logps": inp["old_logps"].clone()}
     bad["old_logps"][0, 0] = float("nan")
     triton(**bad, samples_per_prompt=2)  # returns: no device sync
-    bad["old_logps"].fill_(0.0)  # reusing the buffer cannot hide the bad value: the check reads a copy
-    with pytest.raises(LossContractError, match=r"\(call #(\d+), checked after it returned\): old_logps: expected "
-                                                r"finite values at active tokens"):
-        triton(**inp, samples_per_prompt=2)
+    if overwrite:  # the check reads the inputs, not copies: it still raises, and says why it cannot name the value
+        bad["old_logps"].fill_(0.0)
+        match = "the kernels flagged a bad input value that the inputs do not show now"
+    else:
+        match = "old_logps: expected finite values at active tokens"
+    with pytest.raises(LossContractError, match=r"\(call #(\d+), checked after it returned\): " + match):
+        for _ in range(pending.AHEAD):  # at the latest AHEAD calls later, whether or not the GPU is done
+            triton(**inp, samples_per_prompt=2)
     raise_pending()  # the error cleared what was pending
     triton(**inp, samples_per_prompt=2)  # and the next good call runs
+    raise_pending()
 
 
 def test_unchecked_call_gives_the_checked_result():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import canonical, pending
 from ..contract import (AdvantagesInput, GRPOLossContract, LossContractError, check_inputs, check_logprobs,
-                        inverse_temperature)
+                        inverse_temperature, stand_in)
 from ..result import GRPOLossResult, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -123,7 +123,7 @@ class DistributedGRPOLossOp:
         (`pending.py`)."""
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
-        pending.raise_pending()
+        pending.poll()
         triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
                    "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
@@ -166,34 +166,27 @@ class DistributedGRPOLossOp:
         x = policy_local_logits.detach()
         ref = None if ref_local_logits is None else ref_local_logits.detach()
         old = old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
+        if triton_runs:
+            from ..triton import canonical as kernels
+        rewards_kernels = None  # what the Triton kernels check
         if contract.advantages_input is AdvantagesInput.REWARDS:
-            rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
-            advantages_all = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
-            adv = advantages_all[seq_lo:seq_hi]
+            rewards_kernels = rewards.detach().to(torch.float32)
+            rewards_all = gather_sequences(rewards_kernels, contract, dp_group)
+            advantages_all = (kernels if triton_runs else canonical).group_advantages(
+                rewards_all, contract.groups, contract.advantage_std)
+            adv = adv_kernels = advantages_all[seq_lo:seq_hi]
         else:
-            given = advantages.detach().to(torch.float32, copy=True)
-            advantages_all = gather_sequences(given, contract, dp_group)  # as given, for the result
-            adv = canonical.used_advantages(given, mask)
+            adv_kernels = advantages.detach().to(torch.float32, copy=True)  # the kernels read what active tokens read
+            advantages_all = gather_sequences(adv_kernels, contract, dp_group)  # as given, for the result
+            adv = adv_kernels if triton_runs else canonical.used_advantages(adv_kernels, mask)
         inv = inverse_temperature(contract.temperature)
         clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
-        lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
-        if triton_runs:
-            logp, logp_ref, lse, sums, bad = self._triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group,
-                                                                 clip_lo, clip_hi, inv)
-            local_policy, local_kl = sums[0], sums[1]
-            ratio = canonical.ratio_and_kl(logp, None, old, mask)[0]  # for the metrics
-            # The value checks the preflight skipped, as per-sequence flags: no device sync.
-            ids = action_ids.long()
-            wrong = mask & ((ids < 0) | (ids >= contract.vocab_size) | ~torch.isfinite(old))
-            if completion_mask.dtype != torch.bool:
-                wrong |= (completion_mask != 0) & (completion_mask != 1)
-            if contract.advantages_input is AdvantagesInput.REWARDS:
-                bad = bad + wrong.any(-1) + ~torch.isfinite(rewards.detach().to(torch.float32))
-            else:  # given advantages: finite where an active token reads them
-                nonfinite = ~torch.isfinite(given)
-                bad = bad + wrong.any(-1) + (
-                    (mask & nonfinite).any(-1) if given.dim() == 2 else mask.any(-1) & nonfinite)
+        if triton_runs:  # the kernels flag bad values per sequence: no device sync
+            logp, logp_ref, lse, sums, ints = self._triton_forward(
+                x, ref, action_ids, old, completion_mask, mask, adv_kernels, rewards_kernels, contract.vocab_size, lp,
+                tp_group, clip_lo, clip_hi, inv)
         else:
+            lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
             rows = mask.reshape(-1).nonzero().squeeze(1)
             ids = action_ids.reshape(-1)[rows].long()
 
@@ -208,28 +201,35 @@ class DistributedGRPOLossOp:
                 logp_ref, _, bad_ref = logprobs(ref)
                 bad_rows |= bad_ref
             ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
-            local_policy = self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t))
-            local_kl = self._token_sum(kl_tok)
             bad = torch.zeros(n_local * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
-            bad = bad.view(n_local, T).sum(-1)
-        local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
-        ints = gather_sequences(torch.stack([mask.sum(-1), bad, local_clipped], -1), contract, dp_group)
-        counts, flags, clipped = ints[:, 0], ints[:, 1], ints[:, 2]
-        if triton_runs:  # every rank holds the gathered flags: all raise together, at their next call
-            self._defer(flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
+            local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
+            sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t)),
+                                self._token_sum(kl_tok), local_ratio])
+            ints = torch.stack([mask.sum(-1), bad.view(n_local, T).sum(-1), local_clipped])
+        # Every rank holds the whole batch's per-sequence vectors, gathered in DP-rank order.
+        ints = gather_sequences(ints.T, contract, dp_group).T.contiguous()
+        sums = gather_sequences(sums.T, contract, dp_group).T.contiguous()
+        counts, flags, clipped = ints
+        per_seq_policy, per_seq_kl, per_seq_ratio = sums
+        wants_grad = policy_local_logits.requires_grad and torch.is_grad_enabled()
+        if triton_runs:
+            scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
+            loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
+            # every rank holds the gathered flags: all raise together, at their next call
+            self._defer(flag, flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
                         old_logps, rewards, advantages, completion_mask, logp, logp_ref)
-        elif bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
-            check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
-        sums_all = gather_sequences(torch.stack([local_policy, local_kl, local_ratio], -1), contract, dp_group)
-        per_seq_policy, per_seq_kl, per_seq_ratio = (sums_all[:, i].contiguous() for i in range(3))
-        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
-                                                  contract.normalizer, contract.normalizer_value)
-        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts)
-        if policy_local_logits.requires_grad and torch.is_grad_enabled():
-            w = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi]
+        else:
+            if bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
+                check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
+            loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
+                                                      contract.normalizer, contract.normalizer_value)
+            clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped,
+                                                                               counts)
+            if wants_grad:
+                w = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)
+        if wants_grad:
+            w = w[seq_lo:seq_hi]
             if triton_runs:
-                from ..triton import canonical as kernels
-
                 def backward(logits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
                     return kernels.grad(logits, action_ids, mask, logp, logp_ref, old, adv, w, lse, grad_loss, v_lo,
                                         clip_lo, clip_hi, contract.beta, inv)
@@ -258,48 +258,46 @@ class DistributedGRPOLossOp:
                                   determinism_scope=contract.determinism_scope.value))
 
     @staticmethod
-    def _defer(flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
+    def _defer(flag, flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
                completion_mask, logp, logp_ref) -> None:
-        """Hands the gathered per-sequence flags to `pending` with this rank's copies of the small inputs; the
-        precise error comes from the rank that holds the bad value, the others name the sequences."""
+        """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`) to `pending` with this rank's inputs;
+        the precise error comes from the rank that holds the bad value, the others name the sequences."""
         seq_lo, seq_hi = contract.sharding.sequence_bounds
-        kept = [None if t is None else t.detach().clone()
-                for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
-        shapes = [None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
-                  for t in (policy, ref)]
+        kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
+        logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
 
         def recheck() -> None:
-            mask = check_inputs(*shapes, *kept[:4], beta=contract.beta, vocab_size=contract.vocab_size,
+            mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=contract.beta,
+                                vocab_size=contract.vocab_size,
                                 num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=kept[4],
                                 advantages_input=contract.advantages_input)
             check_logprobs(logp, logp_ref, mask)
             seqs = flags.nonzero().flatten()[:8].tolist()
-            raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward or old "
-                                    f"log-prob, or a non-finite log-prob) on another rank, which names it")
+            raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage "
+                                    f"or old log-prob, or a non-finite log-prob) on another rank, which names it")
 
         if check_values == "sync":
             pending.raise_now(flags, recheck)
         else:
-            pending.defer(flags.any(), recheck, "grpo_loss (distributed, triton kernels)")
+            pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)")
 
     @staticmethod
-    def _triton_forward(x, ref, action_ids, old, mask, adv, lp, tp_group, clip_lo, clip_hi, inv):
-        """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [2, n], bad [n])`."""
+    def _triton_forward(x, ref, action_ids, old, completion_mask, mask, adv, rewards, vocab, lp, tp_group, clip_lo,
+                        clip_hi, inv):
+        """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [3, n], ints [n, 3])`
+        (`kernels.sequence_sums`)."""
         from ..triton import canonical as kernels
         n, T = mask.shape
-        v_lo = lp.local_bounds[0]
-        out, stats = kernels.row_lse(x, ref, action_ids, mask, v_lo, lp.tile_width, len(lp.vocab_shard_bounds) > 1,
-                                     inv)
-        sel, lse, sel_ref, lse_ref = out[0], out[1], out[2], out[3]
-        if stats is not None:
+        sel, stats = kernels.row_stats(x, ref, action_ids, mask, lp.local_bounds[0], lp.tile_width, inv)
+        stats, sel = stats[:1 + (ref is not None)], sel[:1 + (ref is not None)]
+        if len(lp.vocab_shard_bounds) > 1:  # every rank's tiles, in global order
             ids = action_ids.reshape(-1).long()
-            m, s_, sel = gather_tile_stats(stats[0, 0], stats[0, 1], sel, ids, lp, tp_group)
-            lse = kernels.merge_lse(torch.stack([m, s_]), mask, lp.tile_width)
-            if ref is not None:
-                m, s_, sel_ref = gather_tile_stats(stats[1, 0], stats[1, 1], sel_ref, ids, lp, tp_group)
-                lse_ref = kernels.merge_lse(torch.stack([m, s_]), mask, lp.tile_width)
-        flat_mask = mask.reshape(-1)
-        logp = torch.where(flat_mask, sel - lse, 0.0).view(n, T)
-        logp_ref = None if ref is None else torch.where(flat_mask, sel_ref - lse_ref, 0.0).view(n, T)
-        sums, bad = kernels.sequence_sums(logp, logp_ref, old, mask, adv, clip_lo, clip_hi)
-        return logp, logp_ref, lse, sums, bad
+            gathered = [gather_tile_stats(st[0], st[1], z, ids, lp, tp_group) for st, z in zip(stats, sel)]
+            stats = torch.stack([torch.stack(g[:2]) for g in gathered])
+            sel = torch.stack([g[2] for g in gathered])
+        lse = kernels.merge_lse(stats, mask)
+        logp = torch.where(mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
+        logp_ref = logp[1] if ref is not None else None
+        sums, ints = kernels.sequence_sums(logp[0], logp_ref, old, completion_mask, action_ids, adv, rewards, vocab,
+                                           clip_lo, clip_hi)
+        return logp[0], logp_ref, lse[0], sums, ints

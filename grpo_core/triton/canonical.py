@@ -7,10 +7,11 @@ GPU's approximate exp / log, propagate NaN through max / min like torch, and bui
 of adjacent pairs (`tl.split` of a trailing dimension of two: one add, the only possible order).
 
 - `_row_kernel`, one program per token row and tensor (policy, reference): the row streams in chunks of `NT`
-  vocabulary tiles of `W` columns; each tile gives `(max, sum exp(x - max))`, collected in registers, and one
-  tree of adjacent pairs merges them all at the end: the tree of `canonical.merge_stats` (the padded tile count
-  `CHUNKS * NT` only adds identity leaves). With TP > 1 it writes the per-tile statistics instead; they travel
-  by `all_gather` and `_merge_kernel` merges them in global tile order.
+  vocabulary tiles of `W` columns; each tile's `(max, sum exp(x - max))` goes to memory (`[tokens, V / W]` pairs,
+  a `W`-th of the row's floats), with the row's selected logit.
+- `_merge_kernel`, one program per block of rows: the tree of `canonical.merge_stats` over each row's tile
+  statistics, in global tile order (with TP > 1 every rank's, gathered), padded with identity leaves to a power
+  of two, then the lse.
 - `_sequence_kernel`, one program per sequence: the token terms and their tree sums over `padded_seq_len`.
 - `_grad_kernel`, one program per token row: `coef * (onehot - exp(x - lse))` in the logits' dtype.
 Masked rows are never read.
@@ -18,6 +19,7 @@ Masked rows are never read.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,14 +27,15 @@ import triton
 import triton.language as tl
 
 from .. import canonical as C
+from ..contract import AdvantageStd, TokenNormalizer
 from .launch import pick, twins
 
-# Settings from one H200 sweep (bf16, V = 32768 and 151936, 2026-11-30; benchmarks/README.md): the row kernel with
-# (2048 columns, 2 warps) took 3.16 / 7.32 ms against 4.94 / 7.41 with (4096, 4) and 3.20 / 9.65 with (1024, 2).
-CHUNK = 2048  # vocabulary columns per loop iteration of the row kernels
-ROW_WARPS = 2
+CHUNK = 4096  # vocabulary columns per loop iteration of the row kernel
+ROW_WARPS = 4
+MERGE_BLOCK = 8192  # tile statistics per loop iteration of the merge kernel (rows x tiles)
 GRAD_BLOCK = 4096  # columns per loop iteration of the gradient kernel
 BLOCK_T = 1024  # tokens per loop iteration of the sequence kernel
+BLOCK_S = 1024  # sequences per loop iteration of the finish kernel
 NUM_WARPS = 4  # the other kernels
 MAX_TILE = CHUNK  # the row kernels hold one tile per chunk at least
 
@@ -115,18 +118,18 @@ def _pair_sum(x, N: tl.constexpr, LOG2N: tl.constexpr):
 
 
 @triton.jit
-def _merge(m, s, N: tl.constexpr, LOG2N: tl.constexpr):
-    """`canonical.merge_stats` of `[N]` pairs (a power of two, padded with `(-inf, 0)`): one `(M, S)`.
+def _merge(m, s, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    """`canonical.merge_stats` of `[R, N]` pairs (`N` a power of two, padded with `(-inf, 0)`): `[R]` each.
 
     One exp per merge: the larger side's factor is exp(0) = 1 exactly, so `s1 * exp(m1 - M) + s2 * exp(m2 - M)`
     has the bits of the larger side's `s` plus the other `s` times one exp."""
     for k in tl.static_range(LOG2N):
-        m1, m2 = tl.split(tl.reshape(m, (N >> (k + 1), 2)))
-        s1, s2 = tl.split(tl.reshape(s, (N >> (k + 1), 2)))
+        m1, m2 = tl.split(tl.reshape(m, (R, N >> (k + 1), 2)))
+        s1, s2 = tl.split(tl.reshape(s, (R, N >> (k + 1), 2)))
         m = _max(m1, m2)
         e = exp_nonpos(_min(m1, m2) - tl.where(m == float("-inf"), 0.0, m))
         s = tl.where(m1 >= m2, s1 + s2 * e, s1 * e + s2)
-    return tl.max(m, 0), tl.sum(s, 0)
+    return tl.reshape(m, (R,)), tl.reshape(s, (R,))
 
 
 @triton.jit
@@ -154,39 +157,19 @@ def _lse(m, s):
 
 
 @triton.jit
-def _row_lse(row_ptr, V, tiles, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, LOG2NT: tl.constexpr,
-             CHUNKS: tl.constexpr, LOG2C: tl.constexpr, SCALE: tl.constexpr):
-    """lse of one row: its tiles' statistics collected in registers `[CHUNKS, NT]` (global tile order when
-    flattened), then one merge tree over all of them."""
-    chunk = tl.arange(0, CHUNKS)[:, None]
-    ms = tl.full((CHUNKS, NT), float("-inf"), tl.float32)
-    ss = tl.zeros((CHUNKS, NT), tl.float32)
+def _row(row_ptr, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr,
+         NT: tl.constexpr):
+    """One active row: its tiles' statistics to `m_ptr` (maxima) and `m_ptr + s_offset` (sums); returns the
+    selected logit (column `a`, 0.0 when this shard does not own it)."""
     for c in range(0, tl.cdiv(tiles, NT)):
+        t = c * NT + tl.arange(0, NT)
         m, s = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE)
-        ms = tl.where(chunk == c, m[None, :], ms)
-        ss = tl.where(chunk == c, s[None, :], ss)
-    m, s = _merge(tl.reshape(ms, (CHUNKS * NT,)), tl.reshape(ss, (CHUNKS * NT,)), CHUNKS * NT, LOG2C + LOG2NT)
-    return _lse(m, s)
-
-
-@triton.jit
-def _row(row_ptr, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, inv, STATS: tl.constexpr, W: tl.constexpr,
-         LOG2W: tl.constexpr, NT: tl.constexpr, LOG2NT: tl.constexpr, CHUNKS: tl.constexpr, LOG2C: tl.constexpr,
-         SCALE: tl.constexpr):
-    """One active row of tensor `which` (0 policy, 1 reference): its selected logit, and its lse or tile stats."""
-    z = tl.load(row_ptr + a, mask=owned, other=0.0).to(tl.float32)
+        tl.store(m_ptr + t, m, mask=t < tiles)
+        tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
+    z = tl.load(row_ptr + a, mask=(a >= 0) & (a < V), other=0.0).to(tl.float32)
     if SCALE:
         z = z * inv
-    tl.store(out_ptr + 2 * which * N + row, z)
-    if STATS:
-        for c in range(0, tl.cdiv(tiles, NT)):
-            t = c * NT + tl.arange(0, NT)
-            m, s = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE)
-            tl.store(stats_ptr + (2 * which * N + row) * tiles + t, m, mask=t < tiles)
-            tl.store(stats_ptr + ((2 * which + 1) * N + row) * tiles + t, s, mask=t < tiles)
-    else:
-        lse = _row_lse(row_ptr, V, tiles, inv, NT, W, LOG2W, LOG2NT, CHUNKS, LOG2C, SCALE)
-        tl.store(out_ptr + (2 * which + 1) * N + row, lse)
+    return z
 
 
 def _row_kernel(
@@ -194,59 +177,56 @@ def _row_kernel(
     r_ptr,  # reference logits [N, V], rows `stride_r` apart (read by the programs of grid axis 1 = 1)
     ids_ptr,  # global action ids [N]
     mask_ptr,  # completion mask [N], nonzero = active
-    out_ptr,  # out: fp32 [4, N] = selected logit, lse, and the same for the reference (0.0 on masked rows)
-    stats_ptr,  # out (STATS): fp32 [2 (policy, ref), 2 (max, sumexp), N, tiles] per-tile statistics
+    sel_ptr,  # out: fp32 [2, N] = the selected logit of the policy and the reference rows (0.0 where not owned)
+    stats_ptr,  # out: fp32 [2 (policy, ref), 2 (max, sumexp), N, tiles] per-tile statistics (active rows only)
     N, V, stride_x, stride_r, lo, tiles,
     inv,  # the inverse temperature, fp32 (SCALE)
     # Meta-parameters
     SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
-    STATS: tl.constexpr,  # TP > 1: write the tiles' statistics, no lse
     W: tl.constexpr, LOG2W: tl.constexpr,  # tile width (a power of two)
-    NT: tl.constexpr, LOG2NT: tl.constexpr,  # tiles per chunk
-    CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks per row, padded to a power of two
+    NT: tl.constexpr,  # tiles per chunk
 ):
     row = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)  # 0: the policy row, 1: the reference row (a program each)
     inv = tl.cast(inv, tl.float32)
+    z = 0.0
     if tl.load(mask_ptr + row) != 0:
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
-        owned = (a >= 0) & (a < V)
         if which == 0:
-            _row(x_ptr + row * stride_x, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, inv, STATS, W, LOG2W,
-                 NT, LOG2NT, CHUNKS, LOG2C, SCALE)
+            z = _row(x_ptr + row * stride_x, a, stats_ptr + row * tiles, N * tiles, V, tiles, inv, SCALE, W, LOG2W, NT)
         else:
-            _row(r_ptr + row * stride_r, row, out_ptr, stats_ptr, which, a, owned, N, V, tiles, inv, STATS, W, LOG2W,
-                 NT, LOG2NT, CHUNKS, LOG2C, SCALE)
-    else:
-        tl.store(out_ptr + 2 * which * N + row, 0.0)
-        tl.store(out_ptr + (2 * which + 1) * N + row, 0.0)
+            z = _row(r_ptr + row * stride_r, a, stats_ptr + (2 * N + row) * tiles, N * tiles, V, tiles, inv, SCALE, W,
+                     LOG2W, NT)
+    tl.store(sel_ptr + which * N + row, z)
 
 
 @triton.jit
 def _merge_kernel(
-    stats_ptr,  # fp32 [2 (max, sumexp), N, tiles]: every rank's tiles in global order
+    stats_ptr,  # fp32 [K, 2 (max, sumexp), N, tiles]: K tensors' per-tile statistics, tiles in global order
     mask_ptr,  # completion mask [N]
-    lse_ptr,  # out: fp32 [N] (0.0 on masked rows)
+    lse_ptr,  # out: fp32 [K, N] (0.0 on masked rows)
     N, tiles,
     # Meta-parameters
-    NT: tl.constexpr, LOG2NT: tl.constexpr, CHUNKS: tl.constexpr, LOG2C: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program
+    BT: tl.constexpr, LOG2BT: tl.constexpr,  # tiles per loop iteration (a power of two)
+    CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # loop iterations, padded to a power of two
 ):
-    row = tl.program_id(0).to(tl.int64)
-    lse = 0.0
-    if tl.load(mask_ptr + row) != 0:
-        idx = tl.arange(0, CHUNKS)
-        ms = tl.full((CHUNKS,), float("-inf"), tl.float32)
-        ss = tl.zeros((CHUNKS,), tl.float32)
-        for c in range(0, tl.cdiv(tiles, NT)):
-            t = c * NT + tl.arange(0, NT)
-            m = tl.load(stats_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
-            s = tl.load(stats_ptr + (N + row) * tiles + t, mask=t < tiles, other=0.0)
-            mc, sc = _merge(m, s, NT, LOG2NT)
-            ms = tl.where(idx == c, mc, ms)
-            ss = tl.where(idx == c, sc, ss)
-        m, s = _merge(ms, ss, CHUNKS, LOG2C)
-        lse = _lse(m, s)
-    tl.store(lse_ptr + row, lse)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m_ptr = stats_ptr + tl.program_id(1).to(tl.int64) * 2 * N * tiles
+    active = tl.load(mask_ptr + rows, mask=rows < N, other=0) != 0
+    chunk = tl.arange(0, CHUNKS)[None, :]
+    ms = tl.full((ROWS, CHUNKS), float("-inf"), tl.float32)
+    ss = tl.zeros((ROWS, CHUNKS), tl.float32)
+    for c in range(0, tl.cdiv(tiles, BT)):
+        t = c * BT + tl.arange(0, BT)
+        at = rows[:, None] * tiles + t[None, :]
+        read = active[:, None] & (t < tiles)[None, :]
+        m, s = _merge(tl.load(m_ptr + at, mask=read, other=float("-inf")),
+                      tl.load(m_ptr + N * tiles + at, mask=read, other=0.0), ROWS, BT, LOG2BT)
+        ms = tl.where(chunk == c, m[:, None], ms)
+        ss = tl.where(chunk == c, s[:, None], ss)
+    m, s = _merge(ms, ss, ROWS, CHUNKS, LOG2C)
+    tl.store(lse_ptr + tl.program_id(1).to(tl.int64) * N + rows, tl.where(active, _lse(m, s), 0.0), mask=rows < N)
 
 
 @triton.jit
@@ -266,41 +246,161 @@ def _sequence_kernel(
     logp_ptr,  # fp32 [B, T] policy log-probs (0.0 on masked tokens)
     ref_ptr,  # fp32 [B, T] reference log-probs (HAS_REF)
     old_ptr,  # fp32 [B, T] old log-probs
-    mask_ptr,  # completion mask [B, T]
-    adv_ptr,  # fp32 [B] advantages (TOKEN_ADV: [B, T])
-    out_ptr,  # out: fp32 [2, B] = each sequence's token sums of the surrogate and of the KL
-    bad_ptr,  # out: int64 [B], 1 where an active token's log-prob (policy or reference) is not finite
-    B, T, clip_lo, clip_hi,
+    mask_ptr,  # completion mask [B, T] as given, nonzero = active
+    ids_ptr,  # global action ids [B, T]
+    adv_ptr,  # fp32 [B] advantages (TOKEN_ADV: [B, T]); only what active tokens read is read
+    r_ptr,  # fp32 [B] rewards (REWARDS)
+    out_ptr,  # out: fp32 [3, B] = each sequence's token sums of the surrogate, the KL and the ratio
+    ints_ptr,  # out: int64 [3, B] = active tokens, bad-value flag, clipped tokens (`canonical.clipped_tokens`)
+    B, T, vocab, clip_lo, clip_hi,
     # Meta-parameters
     HAS_REF: tl.constexpr,
     TOKEN_ADV: tl.constexpr,  # an advantage per token
+    REWARDS: tl.constexpr,  # flag non-finite rewards
+    CHECK_MASK: tl.constexpr,  # the mask is not bool: flag active values other than 1
     BLOCK: tl.constexpr, LOG2B: tl.constexpr,  # tokens per chunk (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks, padded to a power of two
 ):
+    """The bad-value flag is set where an active token has an id outside `[0, vocab)`, a mask value other than 1,
+    a non-finite old log-prob, advantage or log-prob (policy or reference), or where the reward is not finite."""
     b = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32)
     idx = tl.arange(0, CHUNKS)
     pol = tl.zeros((CHUNKS,), tl.float32)
     kls = tl.zeros((CHUNKS,), tl.float32)
+    rat = tl.zeros((CHUNKS,), tl.float32)
     bad = tl.zeros((BLOCK,), tl.int32)
+    count = tl.zeros((BLOCK,), tl.int32)
+    clipped = tl.zeros((BLOCK,), tl.int32)
     for c in range(0, tl.cdiv(T, BLOCK)):
         t = c * BLOCK + tl.arange(0, BLOCK)
-        active = tl.load(mask_ptr + b * T + t, mask=t < T, other=0) != 0
+        raw = tl.load(mask_ptr + b * T + t, mask=t < T, other=0)
+        active = raw != 0
+        ids = tl.load(ids_ptr + b * T + t, mask=active, other=0)
         logp = tl.load(logp_ptr + b * T + t, mask=active, other=0.0)
         logp_ref = tl.load(ref_ptr + b * T + t, mask=active, other=0.0) if HAS_REF else logp
         old = tl.load(old_ptr + b * T + t, mask=active, other=0.0)
         if TOKEN_ADV:
             adv = tl.load(adv_ptr + b * T + t, mask=active, other=0.0)
-        else:
-            adv = tl.load(adv_ptr + b)
-        _, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, HAS_REF)
-        bad = tl.maximum(bad, (active & ~((tl.abs(logp) < float("inf")) & (tl.abs(logp_ref) < float("inf"))))
-                         .to(tl.int32))
+        else:  # the sequence's advantage at every token
+            adv = tl.load(adv_ptr + b + 0 * t, mask=active, other=0.0)
+        ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, HAS_REF)
+        finite = ((tl.abs(logp) < float("inf")) & (tl.abs(logp_ref) < float("inf")) & (tl.abs(old) < float("inf"))
+                  & (tl.abs(adv) < float("inf")) & (ids >= 0) & (ids < vocab))
+        if CHECK_MASK:
+            finite = finite & (raw == 1)
+        bad = tl.maximum(bad, (active & ~finite).to(tl.int32))
+        count += active.to(tl.int32)
+        clipped += (active & (((ratio < clip_lo) & (adv < 0)) | ((ratio > clip_hi) & (adv > 0)))).to(tl.int32)
         pol = tl.where(idx == c, _pair_sum(policy, BLOCK, LOG2B), pol)
         kls = tl.where(idx == c, _pair_sum(kl, BLOCK, LOG2B), kls)
+        rat = tl.where(idx == c, _pair_sum(tl.where(active, ratio, 0.0), BLOCK, LOG2B), rat)
     tl.store(out_ptr + b, _pair_sum(pol, CHUNKS, LOG2C))
     tl.store(out_ptr + B + b, _pair_sum(kls, CHUNKS, LOG2C))
-    tl.store(bad_ptr + b, tl.max(bad, 0).to(tl.int64))
+    tl.store(out_ptr + 2 * B + b, _pair_sum(rat, CHUNKS, LOG2C))
+    flag = tl.max(bad, 0)
+    if REWARDS:
+        flag = tl.maximum(flag, (~(tl.abs(tl.load(r_ptr + b)) < float("inf"))).to(tl.int32))
+    tl.store(ints_ptr + b, tl.sum(count, 0).to(tl.int64))
+    tl.store(ints_ptr + B + b, flag.to(tl.int64))
+    tl.store(ints_ptr + 2 * B + b, tl.sum(clipped, 0).to(tl.int64))
+
+
+@triton.jit
+def _advantages_kernel(
+    r_ptr,  # fp32 [S] rewards (the whole batch's)
+    bounds_ptr,  # int64 [G + 1] CSR group offsets
+    adv_ptr,  # out: fp32 [S]
+    floor, eps,
+    # Meta-parameters
+    STD: tl.constexpr,  # 0 population, 1 unbiased (both clamped at `floor`), 2 none, 3 unbiased + `eps` (TRL's)
+    P2: tl.constexpr, LOG2P: tl.constexpr,  # the largest group, padded to a power of two
+):
+    """`canonical.group_advantages`, one program per group: its rewards zero-padded to `P2`, the same trees."""
+    g = tl.program_id(0)
+    lo, hi = tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1)
+    floor, eps = tl.cast(floor, tl.float32), tl.cast(eps, tl.float32)
+    i = tl.arange(0, P2)
+    valid = i < hi - lo
+    r = tl.load(r_ptr + lo + i, mask=valid, other=0.0)
+    n = (hi - lo).to(tl.float32)
+    centered = r - tl.math.div_rn(_pair_sum(r, P2, LOG2P), n)
+    if STD != 2:
+        dev = tl.where(valid, centered, 0.0)
+        var = tl.math.div_rn(_pair_sum(dev * dev, P2, LOG2P), n if STD == 0 else n - 1.0)
+        sd = tl.where(var < _TINY, 0.0, tl.math.sqrt_rn(var))  # `canonical.sqrt`: correctly rounded
+        centered = tl.math.div_rn(centered, sd + eps if STD == 3 else _max(sd, floor))
+    tl.store(adv_ptr + lo + i, centered, mask=valid)
+
+
+@triton.jit
+def _finish_kernel(
+    sums_ptr,  # fp32 [3, S] each sequence's token sums: surrogate, KL, ratio (the whole batch's)
+    ints_ptr,  # int64 [3, S]: active tokens, bad-value flag, clipped tokens
+    out_ptr,  # out: fp32 [6] = loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean
+    w_ptr,  # out: fp32 [S] token weights (`canonical.token_weights`)
+    flag_ptr,  # out: int64 [1] = the largest flag
+    S, beta, constant,
+    # Meta-parameters
+    NORM: tl.constexpr,  # 0 global_active_tokens, 1 per_sequence_then_mean, 2 the per-sequence means / `constant`,
+    # 3 the sums / `constant`
+    BLOCK: tl.constexpr, LOG2B: tl.constexpr,  # sequences per chunk (a power of two)
+    CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks, padded to a power of two
+):
+    """`canonical.combine`, `canonical.batch_metrics` and `canonical.token_weights`, in one program."""
+    beta, constant = tl.cast(beta, tl.float32), tl.cast(constant, tl.float32)
+    idx = tl.arange(0, CHUNKS)
+    pol = tl.zeros((CHUNKS,), tl.float32)
+    kls = tl.zeros((CHUNKS,), tl.float32)
+    kl_sums = tl.zeros((CHUNKS,), tl.float32)
+    ratios = tl.zeros((CHUNKS,), tl.float32)
+    tokens = tl.zeros((BLOCK,), tl.int64)
+    seqs = tl.zeros((BLOCK,), tl.int64)
+    clipped = tl.zeros((BLOCK,), tl.int64)
+    bad = tl.zeros((BLOCK,), tl.int64)
+    for c in range(0, tl.cdiv(S, BLOCK)):
+        i = c * BLOCK + tl.arange(0, BLOCK)
+        inside = i < S
+        n = tl.load(ints_ptr + i, mask=inside, other=0)
+        bad = tl.maximum(bad, tl.load(ints_ptr + S + i, mask=inside, other=0))
+        clipped += tl.load(ints_ptr + 2 * S + i, mask=inside, other=0)
+        tokens += n
+        seqs += (n > 0).to(tl.int64)
+        p = tl.load(sums_ptr + i, mask=inside, other=0.0)
+        k = tl.load(sums_ptr + S + i, mask=inside, other=0.0)
+        kl_sums = tl.where(idx == c, _pair_sum(k, BLOCK, LOG2B), kl_sums)
+        ratios = tl.where(idx == c, _pair_sum(tl.load(sums_ptr + 2 * S + i, mask=inside, other=0.0), BLOCK, LOG2B),
+                          ratios)
+        if NORM == 1 or NORM == 2:  # the per-sequence means
+            d = tl.maximum(n, 1).to(tl.float32)
+            p = tl.where(n > 0, tl.math.div_rn(p, d), 0.0)
+            k = tl.where(n > 0, tl.math.div_rn(k, d), 0.0)
+        pol = tl.where(idx == c, _pair_sum(p, BLOCK, LOG2B), pol)
+        kls = tl.where(idx == c, _pair_sum(k, BLOCK, LOG2B), kls)
+    n_tokens = tl.maximum(tl.sum(tokens, 0), 1).to(tl.float32)
+    n_seqs = tl.maximum(tl.sum(seqs, 0), 1).to(tl.float32)
+    denom = n_tokens if NORM == 0 else (n_seqs if NORM == 1 else constant)
+    policy = tl.math.div_rn(_pair_sum(pol, CHUNKS, LOG2C), denom)
+    kl = tl.math.div_rn(_pair_sum(kls, CHUNKS, LOG2C), denom)
+    tl.store(out_ptr, policy + beta * kl)
+    tl.store(out_ptr + 1, policy)
+    tl.store(out_ptr + 2, kl)
+    tl.store(out_ptr + 3, tl.math.div_rn(tl.sum(clipped, 0).to(tl.float32), n_tokens))
+    tl.store(out_ptr + 4, tl.math.div_rn(_pair_sum(ratios, CHUNKS, LOG2C), n_tokens))
+    tl.store(out_ptr + 5, tl.math.div_rn(_pair_sum(kl_sums, CHUNKS, LOG2C), n_tokens))
+    tl.store(flag_ptr, tl.max(bad, 0))
+    for c in range(0, tl.cdiv(S, BLOCK)):
+        i = c * BLOCK + tl.arange(0, BLOCK)
+        n = tl.load(ints_ptr + i, mask=i < S, other=0)
+        one = tl.full((BLOCK,), 1.0, tl.float32)
+        if NORM == 0:
+            w = tl.math.div_rn(one, n_tokens)
+        elif NORM == 3:
+            w = tl.math.div_rn(one, constant)
+        else:
+            w = tl.where(n > 0, tl.math.div_rn(one, tl.maximum(n, 1).to(tl.float32) * (n_seqs if NORM == 1 else
+                                                                                       constant)), 0.0)
+        tl.store(w_ptr + i, w, mask=i < S)
 
 
 def _grad_kernel(
@@ -371,12 +471,6 @@ def _log2(n: int) -> int:
     return n.bit_length() - 1
 
 
-def _tiling(tiles: int, width: int) -> dict:
-    nt = max(1, CHUNK // width)
-    chunks = triton.next_power_of_2(max(1, -(-tiles // nt)))
-    return dict(NT=nt, LOG2NT=_log2(nt), CHUNKS=chunks, LOG2C=_log2(chunks))
-
-
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -386,54 +480,105 @@ def _fp(warps: int | None = None) -> dict:
     return dict(num_warps=warps or NUM_WARPS, enable_fp_fusion=False)
 
 
-def row_lse(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor, lo: int,
-            width: int, stats: bool, inv: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor, lo: int,
+              width: int, inv: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over each active row of `[n, T, V_local]` logits (policy and reference, a program each), scaled by
-    `inv` (the fp32 inverse temperature; 1.0: not scaled).
-
-    `out` is fp32 `[4, n * T]` = selected logit (0.0 where this shard does not own the id), lse, and the same
-    for the reference; with `stats` (TP > 1) the lse rows are not computed and the per-tile statistics come back
-    as fp32 `[2, 2, n * T, tiles]` instead."""
+    `inv` (the fp32 inverse temperature; 1.0: not scaled): `(selected, stats)`, fp32 `[2, n * T]` selected logits
+    (0.0 where this shard does not own the id) and `[2, 2, n * T, tiles]` per-tile `(max, sumexp)` of the policy
+    and the reference rows (without a reference, only `[0]` of each is written)."""
     x = _rows2d(policy)
     r = _rows2d(ref) if ref is not None else x
     N, V = x.shape
     tiles = -(-V // width)
-    out = torch.zeros(4, N, dtype=torch.float32, device=x.device)
-    st = torch.empty((2, 2, N, tiles) if stats else (1,), dtype=torch.float32, device=x.device)
+    sel = torch.empty(2, N, dtype=torch.float32, device=x.device)
+    stats = torch.empty(2, 2, N, tiles, dtype=torch.float32, device=x.device)
     if N:
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
-            x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), out, st, N, V, x.stride(0), r.stride(0),
-            lo, tiles, inv, SCALE=inv != 1.0, STATS=stats, W=width, LOG2W=_log2(width), **_tiling(tiles, width),
+            x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
+            r.stride(0), lo, tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width), NT=max(1, CHUNK // width),
             **_fp(ROW_WARPS))
-    return out, (st if stats else None)
+    return sel, stats
 
 
-def merge_lse(stats: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tensor:
-    """lse `[N]` from the gathered per-tile statistics `[2, N, tiles]` (global tile order) of the active rows."""
-    _, N, tiles = stats.shape
-    lse = torch.empty(N, dtype=torch.float32, device=stats.device)
-    if N:
-        _merge_kernel[(N,)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, N, tiles,
-                            **_tiling(tiles, width), **_fp())
+def merge_lse(stats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """lse `[K, N]` (0.0 on masked rows) from the per-tile statistics `[K, 2, N, tiles]` (global tile order) of K
+    tensors' rows."""
+    K, _, N, tiles = stats.shape
+    lse = torch.empty(K, N, dtype=torch.float32, device=stats.device)
+    bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)))
+    rows = min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1)))
+    chunks = triton.next_power_of_2(-(-tiles // bt))
+    if N and K:
+        _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, N, tiles,
+                                                 ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks,
+                                                 LOG2C=_log2(chunks), **_fp())
     return lse
 
 
 def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.Tensor, mask: torch.Tensor,
-                  adv: torch.Tensor, clip_lo: float, clip_hi: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's token sums `[2, B]` (surrogate, KL) and int64 flags `[B]` of non-finite log-probs; `adv` is
-    `[B]`, or `[B, T]` (an advantage per token)."""
+                  ids: torch.Tensor, adv: torch.Tensor, rewards: torch.Tensor | None, vocab: int, clip_lo: float,
+                  clip_hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: fp32 `[3, B]` token sums (surrogate, KL, ratio) and int64 `[3, B]` (active tokens, bad-value
+    flag, clipped tokens). `mask` is the completion mask as given; `adv` `[B]` or `[B, T]` (an advantage per
+    token), read only where an active token reads it; `rewards` (fp32 `[B]` or None) are checked."""
     B, T = mask.shape
-    out = torch.empty(2, B, dtype=torch.float32, device=logp.device)
-    bad = torch.empty(B, dtype=torch.int64, device=logp.device)
+    out = torch.empty(3, B, dtype=torch.float32, device=logp.device)
+    ints = torch.empty(3, B, dtype=torch.int64, device=logp.device)
     block = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
     chunks = triton.next_power_of_2(max(1, -(-T // block)))
     if B:
         _sequence_kernel[(B,)](logp.contiguous(), (logp_ref if logp_ref is not None else logp).contiguous(),
-                               old.to(torch.float32).contiguous(), mask.contiguous(), adv.contiguous(), out, bad, B,
-                               T, clip_lo, clip_hi, HAS_REF=logp_ref is not None, TOKEN_ADV=adv.dim() == 2,
-                               BLOCK=block, LOG2B=_log2(block),
-                               CHUNKS=chunks, LOG2C=_log2(chunks), **_fp())
-    return out, bad
+                               old.to(torch.float32).contiguous(), mask.contiguous(), ids.contiguous(),
+                               adv.contiguous(), rewards.contiguous() if rewards is not None else adv, out, ints, B, T,
+                               vocab, clip_lo, clip_hi, HAS_REF=logp_ref is not None, TOKEN_ADV=adv.dim() == 2,
+                               REWARDS=rewards is not None, CHECK_MASK=mask.dtype != torch.bool, BLOCK=block,
+                               LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks), **_fp())
+    return out, ints
+
+
+@functools.lru_cache(maxsize=64)
+def _group_bounds(groups: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
+    """The CSR offsets on `device` and the largest group, padded to a power of two (cached: no host copy)."""
+    return torch.tensor(groups, dtype=torch.int64, device=device), triton.next_power_of_2(
+        max(hi - lo for lo, hi in zip(groups, groups[1:])))
+
+
+_STD = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2, AdvantageStd.UNBIASED_EPS: 3}
+
+
+def group_advantages(rewards: torch.Tensor, groups: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
+    """`canonical.group_advantages` of fp32 `rewards` `[S]` in CSR `groups`."""
+    bounds, p2 = _group_bounds(tuple(groups), rewards.device)
+    adv = torch.empty_like(rewards)
+    _advantages_kernel[(len(groups) - 1,)](rewards.contiguous(), bounds, adv, C.STD_FLOOR, C.STD_EPS, STD=_STD[std],
+                                           P2=p2, LOG2P=_log2(p2), **_fp())
+    return adv
+
+
+_NORM = {TokenNormalizer.GLOBAL_ACTIVE_TOKENS: 0, TokenNormalizer.PER_SEQUENCE_THEN_MEAN: 1,
+         TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN: 2, TokenNormalizer.FIXED_CONSTANT: 3,
+         TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH: 3}
+
+
+def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: TokenNormalizer,
+           constant: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the whole batch's per-sequence `sums` fp32 `[3, S]` and `ints` int64 `[3, S]` (`sequence_sums`):
+    `(scalars [6] = loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean, token weights [S], the
+    largest flag (0-d int64))`, the bits of `canonical.combine`, `batch_metrics` and `token_weights`."""
+    S = sums.shape[1]
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN:
+        constant = float(S)
+    elif normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+        constant = float(S * int(constant))
+    out = torch.empty(6, dtype=torch.float32, device=sums.device)
+    w = torch.empty(S, dtype=torch.float32, device=sums.device)
+    flag = torch.empty((), dtype=torch.int64, device=sums.device)
+    block = min(BLOCK_S, triton.next_power_of_2(max(S, 1)))
+    chunks = triton.next_power_of_2(max(1, -(-S // block)))
+    _finish_kernel[(1,)](sums.contiguous(), ints.contiguous(), out, w, flag, S, beta, constant or 1.0,
+                         NORM=_NORM[normalizer], BLOCK=block, LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks),
+                         **_fp())
+    return out, w, flag
 
 
 def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torch.Tensor,

@@ -299,7 +299,7 @@ class TritonGRPOLossOp:
                  single_pass: bool = False, inplace: bool = False, check_values: str = "deferred"
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
-            pending.raise_pending()
+            pending.poll()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, values=False)

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .. import canonical, pending
-from ..contract import LossContractError, check_inputs, check_logprobs
+from ..contract import LossContractError, check_inputs, check_logprobs, stand_in
 from .launch import pick, twins
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
@@ -365,14 +365,13 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
         torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards, old_logps or completion_mask values or "
                                       "non-finite log-probs (check_values='sync' gives the precise error)")
         return
-    # Copies of what the precise check reads (small: [B, T]), so that in-place reuse of the inputs cannot hide
-    # the bad value; the logits only lend their shape, dtype and device.
-    kept = [None if t is None else t.detach().clone() for t in (action_ids, old_logps, rewards, completion_mask)]
-    shapes = [None if t is None else torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
-              for t in (policy_logits, ref_logits)]
+    # What the precise check reads; the logits only lend their shape, dtype and device.
+    kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask)]
+    logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy_logits, ref_logits)]
 
     def recheck() -> None:
-        mask = check_inputs(*shapes, *kept, beta=beta, rewards_required=rewards is not None)
+        mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept, beta=beta,
+                            rewards_required=rewards is not None)
         check_logprobs(logp, logp_ref, mask)
 
     if check_values == "sync":
@@ -390,7 +389,7 @@ class TritonRatioKLOp:
                  check_values: str = "deferred"):
         """`check_values`: as in `TritonGRPOLossOp` ("deferred", "sync" or "assert")."""
         if not torch.compiler.is_compiling():
-            pending.raise_pending()
+            pending.poll()
         mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, None, completion_mask, beta=1.0,
                             values=False)
         if torch.compiler.is_compiling():
