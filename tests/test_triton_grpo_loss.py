@@ -141,9 +141,7 @@ def test_ratio_kl_matches_native():
 
 @pytest.mark.parametrize("std", list(AdvantageStd))
 def test_group_norm_any_group_size(std):
-    from grpo_core.triton.group_norm import MODES, group_advantages
-    if std not in MODES:  # issue 15's 'unbiased_eps': the native op serves it until the kernel takes it
-        pytest.skip(f"advantage_std={std.value!r} is not in the Triton group kernel yet")
+    from grpo_core.triton.group_norm import group_advantages
     bounds = (0, 2, 1029, 1032, 3100) if std is not AdvantageStd.NONE else (0, 1, 1029, 1032, 3100)
     r = torch.randn(3100, generator=torch.Generator().manual_seed(0)).to(DEV) * 3 + 1
     adv, flags = group_advantages(r, bounds, std)
