@@ -13,8 +13,7 @@ checked: they may hold anything.
 Options added for users of other GRPO implementations (`temperature`, given `advantages`, `loss_type`,
 `advantage_std="unbiased_eps"`) enter the fingerprint only when they differ from their defaults, so that the
 fingerprint of a contract that does not use them, and every golden recorded with one, stays what it was.
-The distributed op takes all of them on both of its kernels; the fast Triton op does not take them yet:
-`kernel_pending` names the ones a call sets, which it refuses (the automatic choice runs native).
+Every backend computes all of them (the fast Triton op and the distributed op in their kernels).
 """
 
 from __future__ import annotations
@@ -519,24 +518,6 @@ def check_advantage_std(value: Any, rewards_input: bool) -> AdvantageStd | None:
     return AdvantageStd.POPULATION if value is None else check_enum(AdvantageStd, "advantage_std", value)
 
 
-def kernel_pending(*, temperature: float = 1.0, advantages_input: AdvantagesInput = AdvantagesInput.REWARDS,
-                   normalizer: TokenNormalizer = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
-                   advantage_std: AdvantageStd | None = None, loss_type: str | None = None) -> list[tuple[str, str]]:
-    """`(argument, what)` for each validated option set to a value the Triton kernels do not take yet; empty for
-    the math they compute. A backend refuses these (or runs its torch code) and names them."""
-    out = []
-    if temperature != 1.0:
-        out.append(("temperature", f"temperature={temperature!r}"))
-    if advantages_input is not AdvantagesInput.REWARDS:
-        out.append(("advantages", "given advantages"))
-    if normalizer in (TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH):
-        spelled = f"loss_type={loss_type!r}" if loss_type is not None else f"normalizer={normalizer.value!r}"
-        out.append(("loss_type" if loss_type is not None else "normalizer", spelled))
-    if advantage_std is AdvantageStd.UNBIASED_EPS:
-        out.append(("advantage_std", "advantage_std='unbiased_eps'"))
-    return out
-
-
 def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> float | None:
     if normalizer is TokenNormalizer.FIXED_CONSTANT:
         if constant is None:
@@ -792,20 +773,12 @@ class LossOptions:
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                  samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
                  values: bool = True, *, temperature: Any = 1.0, advantages: Any = None, loss_type: Any = None,
-                 max_completion_length: Any = None, every_option: bool = False) -> LossOptions:
-    """Validates the keyword options and the tensors of the plain-call API (shared by every backend).
-
-    `every_option`: the caller computes every option (native). A backend whose kernels do not take the options
-    added for migration yet (Triton) leaves it False: a call that sets one of them to a non-default value
-    (`kernel_pending`) then raises a `LossContractError` naming it, before any kernel runs."""
+                 max_completion_length: Any = None) -> LossOptions:
+    """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                       normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
                       loss_type=loss_type, max_completion_length=max_completion_length,
                       rewards_input=advantages is None)
-    if not every_option:
-        given = AdvantagesInput.REWARDS if advantages is None else AdvantagesInput.SEQUENCE  # refused either way
-        refuse_pending(kernel_pending(temperature=o["temperature"], advantages_input=given, normalizer=o["normalizer"],
-                                      advantage_std=o["advantage_std"], loss_type=loss_type))
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
                         values=values, rewards_required=True, advantages=advantages)
     B, T = mask.shape
@@ -820,10 +793,3 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                        o["normalizer"], normalizer_value(o["normalizer"], o["normalizer_constant"],
                                                          o["max_completion_length"], T),
                        o["temperature"], advantages_kind(advantages))
-
-
-def refuse_pending(pending: list[tuple[str, str]]) -> None:
-    """The Triton backend's refusal of the options its kernels do not take yet, each named."""
-    if pending:
-        raise LossContractError("; ".join(f"{name}: the Triton backend does not support {what} yet; use "
-                                          f"backend='native'" for name, what in pending))

@@ -7,10 +7,6 @@
 A backend declares why it cannot serve a request (`reasons`); an explicit request for such a backend raises
 with those reasons, and an automatic choice records them. Once a backend is chosen its errors propagate: no
 automatic choice retries another backend behind the caller's back.
-
-The Triton loss does not take the options added for migration yet (`contract.kernel_pending`: a temperature,
-given advantages, the 'grpo' and 'dr_grpo' normalizers, TRL's std): an explicit Triton call that sets one raises
-a `LossContractError` naming it, and the automatic choice runs such a call on native, its reasons recorded.
 """
 
 from __future__ import annotations
@@ -23,9 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .contract import (AdvantagesInput, GRPOLossContract, LossContractError, check_advantage_std,
-                       check_max_completion_length, check_temperature, kernel_pending, refuse_pending,
-                       resolve_normalizer)
+from .contract import GRPOLossContract, LossContractError
 
 __all__ = ["BackendUnavailableError", "DispatchedLossOp", "KernelRegistry", "kernel_registry"]
 
@@ -174,58 +168,8 @@ def _triton_reasons(args: tuple, kwargs: dict, explicit: bool) -> list[str]:
             f"TRITON_INTERPRET=1 for the CPU interpreter)"]
 
 
-_MIGRATION_OPTIONS = ("temperature", "advantages", "loss_type", "max_completion_length")  # not in the Triton call yet
-
-
-def _triton_loss_pending(kwargs: dict) -> tuple[list[tuple[str, str]], dict]:
-    """The options of a plain `grpo_loss` call that the Triton op cannot serve yet (`kernel_pending`), checked with
-    the native op's words first, and the keyword arguments it can take: the new options (at their defaults)
-    dropped, `loss_type` spelled as the `normalizer` it names."""
-    loss_type = kwargs.get("loss_type")
-    normalizer = resolve_normalizer(loss_type, kwargs.get("normalizer"))
-    check_max_completion_length(normalizer, kwargs.get("max_completion_length"))
-    given = kwargs.get("advantages") is not None
-    pending = kernel_pending(temperature=check_temperature(kwargs.get("temperature", 1.0)),
-                             advantages_input=AdvantagesInput.SEQUENCE if given else AdvantagesInput.REWARDS,
-                             normalizer=normalizer, loss_type=loss_type,
-                             advantage_std=check_advantage_std(kwargs.get("advantage_std"), not given))
-    forwarded = {k: v for k, v in kwargs.items() if k not in _MIGRATION_OPTIONS}
-    if loss_type is not None:
-        forwarded["normalizer"] = normalizer
-    return pending, forwarded
-
-
-class _TritonLoss:
-    """The Triton `grpo_loss` behind the registry: refuses the options its kernels do not take yet, naming them
-    (`LossContractError`), and hands every other call over unchanged."""
-
-    backend = "triton"
-
-    def __init__(self, load: Callable[[], Any]) -> None:
-        self._load = load
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        pending, forwarded = _triton_loss_pending(kwargs)
-        refuse_pending(pending)
-        return self._load()(*args, **forwarded)
-
-
-def _triton_loss_reasons(args: tuple, kwargs: dict, explicit: bool) -> list[str]:
-    """`_triton_reasons`, and for the automatic choice the options the Triton loss does not take yet (an option
-    with a bad value is left to the chosen op, which raises the native op's error)."""
-    reasons = _triton_reasons(args, kwargs, explicit)
-    if not explicit:
-        try:
-            pending = _triton_loss_pending(kwargs)[0]
-        except LossContractError:
-            pending = []
-        reasons += [f"{name}: the Triton kernels do not take {what} yet" for name, what in pending]
-    return reasons
-
-
 kernel_registry = KernelRegistry()
-_triton_loss = _TritonLoss(_lazy(".triton", "TritonGRPOLossOp"))
-kernel_registry.register_op("grpo_loss", "triton", lambda: _triton_loss, _triton_loss_reasons)
+kernel_registry.register_op("grpo_loss", "triton", _lazy(".triton", "TritonGRPOLossOp"), _triton_reasons)
 kernel_registry.register_op("grpo_loss", "native", _lazy(".native", "NativeGRPOLossOp"))
 kernel_registry.register_op("ratio_kl", "triton", _lazy(".triton", "TritonRatioKLOp"), _triton_reasons)
 kernel_registry.register_op("ratio_kl", "native", _lazy(".native", "NativeRatioKLOp"))

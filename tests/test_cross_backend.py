@@ -1,5 +1,6 @@
 """Every backend agrees, or raises the same error: a property test over shapes, dtypes, layouts, masks, options
-and a sprinkling of bad values.
+(those added for migration too: temperature, given advantages, TRL's loss types and std) and a sprinkling of bad
+values.
 
 For each draw, the native op, the fast Triton op and the deterministic path at 1x1 (torch kernels, and Triton
 kernels) either all raise `LossContractError` with the same message, or all return results within the dtype's
@@ -22,7 +23,7 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 EXAMPLES = int(os.environ.get("GRPO_PROPERTY_EXAMPLES", 200 if HAS_CUDA else 12))
 TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 BAD = ["id_high", "id_negative", "old_nan", "reward_inf", "mask_two", "logit_nan", "logit_inf", "action_minus_inf",
-       "ref_nan"]
+       "ref_nan", "advantage_nan"]
 native = kernel_registry.get_op("grpo_loss", backend="native")
 fast = kernel_registry.get_op("grpo_loss", backend="triton")
 
@@ -39,8 +40,8 @@ def relayout(t: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def case(draw) -> tuple[dict, dict, str | None]:
-    groups = draw(st.sampled_from([(1, "none"), (2, "population"), (3, "unbiased"), ("csr", "population"),
-                                   ("csr", "none")]))
+    groups = draw(st.sampled_from([(1, "none"), (2, "population"), (3, "unbiased"), (2, "unbiased_eps"),
+                                   ("csr", "population"), ("csr", "none"), ("given", "sequence"), ("given", "token")]))
     T, V = draw(st.sampled_from([1, 2, 5])), draw(st.sampled_from([1, 3, 17, 130]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     B = 6
@@ -48,15 +49,22 @@ def case(draw) -> tuple[dict, dict, str | None]:
                       wide=draw(st.booleans()), empty_rows=draw(st.sampled_from([(), (1,), (0, 5)])), device=DEV)
     opts = dict(beta=draw(st.sampled_from([0.0, 0.04])), clip_eps=0.2,
                 clip_eps_high=draw(st.sampled_from([0.2, 0.28])),
-                normalizer=draw(st.sampled_from(["global_active_tokens", "per_sequence_then_mean", "fixed_constant"])),
-                advantage_std=groups[1])
+                normalizer=draw(st.sampled_from(["global_active_tokens", "per_sequence_then_mean", "fixed_constant",
+                                                 "per_sequence_then_batch_mean", "sequences_times_max_length"])),
+                advantage_std=groups[1], temperature=draw(st.sampled_from([1.0, 0.7])))
     opts["normalizer_constant"] = 9.0 if opts["normalizer"] == "fixed_constant" else None
+    opts["max_completion_length"] = 7 if opts["normalizer"] == "sequences_times_max_length" else None
     opts.update(group_boundaries=(0, 2, 6) if groups[0] == "csr" else None,
-                samples_per_prompt=None if groups[0] == "csr" else groups[0])
+                samples_per_prompt=None if groups[0] in ("csr", "given") else groups[0])
+    if groups[0] == "given":  # advantages computed elsewhere, [B] or [B, T]: no rewards, no group options
+        opts["advantage_std"] = inp["rewards"] = None
+        shape = (B, T) if groups[1] == "token" else (B,)
+        inp["advantages"] = torch.randn(shape, generator=torch.Generator().manual_seed(T * V)).to(DEV)
     if opts["beta"] == 0.0 and draw(st.booleans()):
         inp["ref_logits"] = None
-    for name in ("policy_logits", "action_ids", "old_logps", "rewards", "completion_mask"):
-        inp[name] = relayout(inp[name], draw(st.sampled_from(["dense", "transposed", "sliced", "offset"])))
+    for name in ("policy_logits", "action_ids", "old_logps", "rewards", "advantages", "completion_mask"):
+        if inp.get(name) is not None:
+            inp[name] = relayout(inp[name], draw(st.sampled_from(["dense", "transposed", "sliced", "offset"])))
     bad = draw(st.sampled_from([None] * 4 + BAD))
     active = inp["completion_mask"].nonzero()
     if bad is not None and len(active):
@@ -67,8 +75,10 @@ def case(draw) -> tuple[dict, dict, str | None]:
             inp["action_ids"][b, t] = -1
         elif bad == "old_nan":
             inp["old_logps"][b, t] = float("nan")
-        elif bad == "reward_inf":
+        elif bad == "reward_inf" and inp["rewards"] is not None:
             inp["rewards"][b] = float("inf")
+        elif bad == "advantage_nan" and "advantages" in inp:
+            inp["advantages"][(b, t) if inp["advantages"].dim() == 2 else b] = float("nan")
         elif bad == "mask_two":
             inp["completion_mask"] = inp["completion_mask"].to(torch.int32)
             inp["completion_mask"][b, t] = 2
@@ -84,9 +94,11 @@ def case(draw) -> tuple[dict, dict, str | None]:
 def run_all(inp: dict, opts: dict) -> dict[str, tuple | str]:
     """Each backend's `(loss, policy_loss, kl, grad)` or its LossContractError message."""
     B, T, V = inp["policy_logits"].shape
+    given = inp.get("advantages")
 
     def contract() -> GRPOLossContract:
-        return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V,
+        kind = "rewards" if given is None else ("token" if given.dim() == 2 else "sequence")
+        return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, advantages_input=kind,
                                 determinism_scope="topology_invariant", **{k: v for k, v in opts.items() if v is not None})
 
     calls = {
@@ -97,7 +109,8 @@ def run_all(inp: dict, opts: dict) -> dict[str, tuple | str]:
         op = DistributedGRPOLossOp(kernels=kernels)
         calls[f"deterministic_{kernels}"] = lambda call, op=op: tuple(op.apply(
             call["policy_logits"], call["action_ids"], call["old_logps"], call["rewards"], contract=contract(),
-            completion_mask=call["completion_mask"], ref_local_logits=call["ref_logits"], check_values="sync"))
+            completion_mask=call["completion_mask"], ref_local_logits=call["ref_logits"], check_values="sync",
+            advantages=call.get("advantages")))
     out = {}
     for name, fn in calls.items():
         x = inp["policy_logits"].detach().clone().requires_grad_(True)

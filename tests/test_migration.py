@@ -3,7 +3,8 @@ few lines of plain torch from those projects' sources (which CI cannot install),
 groups, beta 0 and 0.04, temperatures 1 and 0.7, fp32 and bf16 logits, masks with holes and empty sequences.
 
 Each `# migrate: <name>` block of the README's migration section is executed as printed, with the peer's variable
-names bound to the grid's tensors, and must give the peer's loss and gradient within fp32 tolerance. Run this file
+names bound to the grid's tensors, and must give the peer's loss and gradient within fp32 tolerance, through the
+automatic choice and (one fp32 case in five, under the interpreter) the Triton backend. Run this file
 (`python tests/test_migration.py`) for the largest difference per peer formula on the whole grid.
 
 Sources read (file, revision):
@@ -39,8 +40,8 @@ def snippets() -> dict[str, str]:
     return {name: code for code, name in re.findall(r"```py\n(# migrate: ([\w-]+)[^\n]*\n.*?)```", text, re.S)}
 
 
-def run_snippet(name: str, env: dict) -> torch.Tensor:
-    scope = {"grpo_loss": kernel_registry.get_op("grpo_loss"), "torch": torch, **env}
+def run_snippet(name: str, env: dict, backend: str | None = None) -> torch.Tensor:
+    scope = {"grpo_loss": kernel_registry.get_op("grpo_loss", backend=backend), "torch": torch, **env}
     exec(compile(snippets()[name], f"README.md ({name})", "exec"), scope)
     return scope["loss"]
 
@@ -238,7 +239,7 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 VERL_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
-def rl_kernel_cases():
+def rl_kernel_cases(backend=None):
     for seed, (grouping, beta, dtype, given) in enumerate(itertools.product(
             GROUPINGS, (0.0, 0.04), (torch.float32, torch.bfloat16), (False, True))):
         inp = grid_inputs(seed, dtype, 1.0, width=0)
@@ -253,13 +254,13 @@ def rl_kernel_cases():
             peer_kw["sample_advantages"] = env["sample_advantages"]
         name = "rl-kernel-advantages" if given else "rl-kernel"
         yield (f"{name} {grouping} beta={beta} {str(dtype)[6:]}",
-               lambda x, env=env, name=name: run_snippet(name, {**env, "policy_logits": x}),
+               lambda x, env=env, name=name: run_snippet(name, {**env, "policy_logits": x}, backend),
                lambda x, inp=inp, kw=peer_kw: rl_kernel(x, inp["ref_logits"], inp["ids"], inp["old"], inp["rewards"],
                                                          inp["mask"], **kw),
                inp["logits"])
 
 
-def liger_cases():
+def liger_cases(backend=None):
     for seed, (loss_type, beta, temperature, dtype) in enumerate(itertools.product(
             LOSS_TYPES, (0.0, 0.04), (1.0, 0.7), (torch.float32, torch.bfloat16))):
         inp = grid_inputs(100 + seed, dtype, temperature, width=1)
@@ -270,14 +271,14 @@ def liger_cases():
                    completion_mask=inp["mask"], temperature=temperature, beta=beta, eps_low=0.2, eps_high=0.28,
                    loss_type=loss_type, max_completion_length=max_len)
         yield (f"liger {loss_type} beta={beta} T={temperature} {str(dtype)[6:]}",
-               lambda x, env=env: run_snippet("liger", {**env, "logits": x}),
+               lambda x, env=env: run_snippet("liger", {**env, "logits": x}, backend),
                lambda x, inp=inp, env=env, ref_logp=ref_logp: liger(
                    x, inp["old"], ref_logp, inp["ids"], env["advantages"], inp["mask"], temperature=temperature,
                    beta=beta, eps_low=0.2, eps_high=0.28, loss_type=loss_type, max_completion_length=max_len)[0],
                inp["logits"])
 
 
-def trl_cases():
+def trl_cases(backend=None):
     for seed, (loss_type, beta, temperature, given) in enumerate(itertools.product(
             LOSS_TYPES, (0.0, 0.04), (1.0, 0.7), (False, True))):
         inp = grid_inputs(200 + seed, torch.float32, temperature, width=0)
@@ -289,7 +290,7 @@ def trl_cases():
                    loss_type=loss_type, max_completion_length=max_len)
         name = "trl-advantages" if given else "trl"
         yield (f"{name} {loss_type} beta={beta} T={temperature}",
-               lambda x, env=env, name=name: run_snippet(name, {**env, "logits": x}),
+               lambda x, env=env, name=name: run_snippet(name, {**env, "logits": x}, backend),
                lambda x, inp=inp, adv=advantages: trl(x, inp["ref_logits"], inp["ids"], inp["old"], adv, inp["mask"],
                                                       temperature=temperature, beta=beta, epsilon_low=0.2,
                                                       epsilon_high=0.28, loss_type=loss_type,
@@ -297,7 +298,7 @@ def trl_cases():
                inp["logits"])
 
 
-def verl_cases():
+def verl_cases(backend=None):
     for seed, (mode, kl_coef, temperature, grouping) in enumerate(itertools.product(
             VERL_MODES, (0.0, 0.04), (1.0, 0.7), GROUPINGS)):
         inp = grid_inputs(300 + seed, torch.float32, temperature, width=0)
@@ -310,7 +311,7 @@ def verl_cases():
                    advantages=advantages, response_mask=inp["mask"], temperature=temperature, clip_ratio_low=0.2,
                    clip_ratio_high=0.28, use_kl_loss=kl_coef > 0, kl_loss_coef=kl_coef, loss_agg_mode=mode)
         yield (f"verl {mode} kl_coef={kl_coef} T={temperature} {grouping}",
-               lambda x, env=env: run_snippet("verl", {**env, "logits": x}),
+               lambda x, env=env: run_snippet("verl", {**env, "logits": x}, backend),
                lambda x, inp=inp, adv=advantages: verl(
                    x, inp["ref_logits"], inp["ids"], inp["old"], adv, inp["mask"], temperature=temperature,
                    clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=kl_coef > 0, kl_loss_coef=kl_coef,
@@ -336,6 +337,23 @@ def test_readme_migration_line_gives_the_peers_numbers(peer):
     worst = measure(peer)
     for what, (d, label) in worst.items():
         assert d <= TOLERANCE[what], f"{peer}: {what} differs by {d:.2e} (relative) at {label}"
+
+
+@pytest.mark.parametrize("peer", PEERS)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the grid is CPU tensors, which Triton runs under the "
+                                                        "interpreter only (test_triton_grpo_loss covers CUDA)")
+def test_readme_migration_line_on_triton_gives_the_peers_numbers(peer):
+    """The same lines on the Triton backend (the interpreter: one fp32 case in five; a bf16 gradient is rounded
+    from fp32 by the kernel, not by torch's autograd as the peers' is: test_triton_grpo_loss compares it)."""
+    pytest.importorskip("triton")
+    fp32 = 0
+    for label, ours, theirs, logits in PEERS[peer]("triton"):  # lazily: the peers' lambdas read the loop's names
+        fp32 += "bfloat16" not in label
+        if "bfloat16" in label or fp32 % 5 != 1:
+            continue
+        for what, d in zip(("loss", "grad"), compare(ours, theirs, logits)):
+            assert d <= TOLERANCE[what], f"{peer} on triton: {what} differs by {d:.2e} (relative) at {label}"
+    assert fp32 >= 8
 
 
 def test_every_migration_block_is_tested():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -43,13 +45,60 @@ def test_matches_native_fp32(grouping, normalizer, constant, beta, single_pass):
     assert bool((got[3][1] == 0).all())
 
 
+# The options added for migration (issue 15). "sequence" / "token": given advantages `[B]` / `[B, T]` (rewards=None),
+# NaN where no active token reads them (the empty sequence, masked tokens).
+MIGRATION = {
+    "temperature": dict(samples_per_prompt=2, temperature=0.7),
+    "hot_no_ref": dict(samples_per_prompt=2, temperature=2.5, beta=0.0),
+    "unbiased_eps": dict(group_boundaries=[0, 4, 6], advantage_std="unbiased_eps"),
+    "grpo": dict(samples_per_prompt=2, loss_type="grpo"),
+    "batch_mean": dict(samples_per_prompt=3, normalizer="per_sequence_then_batch_mean", clip_eps_high=0.28),
+    "dr_grpo": dict(samples_per_prompt=2, loss_type="dr_grpo"),
+    "dr_grpo_16": dict(samples_per_prompt=2, loss_type="dr_grpo", max_completion_length=16),
+    "sequence": dict(advantages="sequence"),
+    "token": dict(advantages="token"),
+    "token_tempered_grpo": dict(advantages="token", temperature=0.7, loss_type="grpo"),
+    "sequence_tempered_dr_grpo": dict(advantages="sequence", temperature=1.3, loss_type="dr_grpo",
+                                      max_completion_length=7),
+}
+
+
+def migration_call(inp: dict, name: str) -> tuple[dict, dict]:
+    """`(inputs, options)` of the MIGRATION case `name`: given advantages replace the rewards."""
+    kw = dict(MIGRATION[name])
+    kind = kw.pop("advantages", None)
+    if kind is None:
+        return inp, kw
+    B, T = inp["completion_mask"].shape
+    mask = inp["completion_mask"].cpu()
+    adv = torch.randn((B, T) if kind == "token" else (B,), generator=torch.Generator().manual_seed(7))
+    adv[~mask if kind == "token" else ~mask.any(-1)] = float("nan")  # read by no active token
+    return {**inp, "rewards": None}, {**kw, "advantages": adv.to(inp["policy_logits"].device)}
+
+
+@pytest.mark.parametrize("name", MIGRATION)
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_migration_options_match_native(name, single_pass):
+    inp = make_inputs(6, 5, 37, seed=3, device=DEV, empty_rows=(1,))  # a sequence without active tokens
+    call, kw = migration_call(inp, name)
+    got = run(triton, call, single_pass=single_pass, check_values="sync", **kw)
+    want = run(native, call, **kw)
+    for what, g, w in zip(("loss", "policy_loss", "kl"), got[:3], want[:3]):
+        assert_close_verbose(g, w, atol=1e-5, rtol=1e-5, what=what)
+    assert_close_verbose(got[3], want[3], atol=1e-6, rtol=1e-4, what="grad")
+    assert bool((got[3][1] == 0).all())
+    default = run(native, inp, samples_per_prompt=2)  # not vacuous: the option changes the numbers
+    assert (want[0] - default[0]).abs() > 1e-3 * default[0].abs() and not torch.allclose(want[3], default[3])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("single_pass", [True, False])
-def test_half_precision_against_fp32_reference(dtype, single_pass):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_half_precision_against_fp32_reference(dtype, single_pass, temperature):
     inp = make_inputs(4, 3, 4099, seed=5, dtype=dtype, device=DEV)  # 4099 > one 4096-wide chunk
-    got = run(triton, inp, samples_per_prompt=2, single_pass=single_pass)
+    got = run(triton, inp, samples_per_prompt=2, single_pass=single_pass, temperature=temperature)
     ref = {**inp, "policy_logits": inp["policy_logits"].float(), "ref_logits": inp["ref_logits"].float()}
-    want = run(native, ref, samples_per_prompt=2)
+    want = run(native, ref, samples_per_prompt=2, temperature=temperature)
     atol, rtol = TOL[dtype]
     assert got[3].dtype == dtype and got[0].dtype == torch.float32
     assert_close_verbose(got[0], want[0], atol=atol, rtol=rtol, what="loss")
@@ -89,23 +138,29 @@ def test_tiny_vocabulary_in_half_precision(V, single_pass):
     assert_close_verbose(got[3].float(), want[3], atol=1e-4, rtol=1e-2, what="grad")
 
 
-def test_single_pass_equals_two_pass():
+@pytest.mark.parametrize("name", [None, "token_tempered_grpo"])
+def test_single_pass_equals_two_pass(name):
     inp = make_inputs(4, 6, 129, seed=8, device=DEV)
-    one = run(triton, inp, samples_per_prompt=4, single_pass=True)
-    two = run(triton, inp, samples_per_prompt=4, single_pass=False)
+    call, kw = migration_call(inp, name) if name else (inp, {})
+    kw.setdefault("samples_per_prompt", None if "advantages" in kw else 4)
+    one = run(triton, call, single_pass=True, **kw)
+    two = run(triton, call, single_pass=False, **kw)
     for name, a, b in zip(("loss", "policy_loss", "kl"), one[:3], two[:3]):
         assert_bitwise_equal(a, b, name)  # the same kernel log-probs, the same torch reductions
     assert_close_verbose(one[3], two[3], atol=1e-7, rtol=1e-5, what="grad")
 
 
-def test_inplace_writes_the_gradient_into_the_logits():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_inplace_writes_the_gradient_into_the_logits(temperature):
     inp = make_inputs(4, 3, 50, seed=9, device=DEV)
-    want = run(triton, inp, samples_per_prompt=2, single_pass=True)
+    want = run(triton, inp, samples_per_prompt=2, single_pass=True, temperature=temperature)
     x = inp["policy_logits"].clone().requires_grad_(True)
-    loss, _, _ = triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, inplace=True)
+    loss, _, _ = triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, inplace=True, temperature=temperature)
     assert_bitwise_equal(x.detach(), want[3], "logits storage now holds the gradient")
     loss.backward()
     assert_bitwise_equal(x.grad, want[3], "grad")
+    assert_close_verbose(x.grad, run(native, inp, samples_per_prompt=2, temperature=temperature)[3], atol=1e-6,
+                         rtol=1e-4, what="grad vs native")
     with pytest.raises(ValueError, match="inplace: writing the gradient into policy_logits needs"):
         triton(**inp, samples_per_prompt=2, inplace=True)  # no grad wanted: nothing to write
 
@@ -141,9 +196,7 @@ def test_ratio_kl_matches_native():
 
 @pytest.mark.parametrize("std", list(AdvantageStd))
 def test_group_norm_any_group_size(std):
-    from grpo_core.triton.group_norm import MODES, group_advantages
-    if std not in MODES:  # issue 15's 'unbiased_eps': the native op serves it until the kernel takes it
-        pytest.skip(f"advantage_std={std.value!r} is not in the Triton group kernel yet")
+    from grpo_core.triton.group_norm import group_advantages
     bounds = (0, 2, 1029, 1032, 3100) if std is not AdvantageStd.NONE else (0, 1, 1029, 1032, 3100)
     r = torch.randn(3100, generator=torch.Generator().manual_seed(0)).to(DEV) * 3 + 1
     adv, flags = group_advantages(r, bounds, std)
@@ -189,11 +242,13 @@ def test_bad_ids_raise_without_reading_out_of_bounds():
 
 
 @pytest.mark.parametrize("single_pass", [True, False])
-def test_grad_output_scales_the_gradient(single_pass):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grad_output_scales_the_gradient(single_pass, temperature):
     inp = make_inputs(4, 3, 50, seed=6, device=DEV)
-    want = run(triton, inp, samples_per_prompt=2, single_pass=single_pass)[3]
+    want = run(triton, inp, samples_per_prompt=2, single_pass=single_pass, temperature=temperature)[3]
     x = inp["policy_logits"].clone().requires_grad_(True)
-    (triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, single_pass=single_pass)[0] * -3.0).backward()
+    (triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, single_pass=single_pass,
+            temperature=temperature)[0] * -3.0).backward()
     if single_pass:  # the stored gradient, scaled in place once
         assert_bitwise_equal(x.grad, want * -3.0, "grad * -3")
     else:  # the scale enters the in-kernel coefficient
@@ -235,6 +290,33 @@ def test_bad_values_raise_like_native(bad, match, single_pass):
     if not HAS_CUDA:  # on the CPU the assert is synchronous; on CUDA it would end the process's CUDA context
         with pytest.raises(RuntimeError, match="grpo_core: bad action_ids, rewards, old_logps"):
             triton(**call, samples_per_prompt=2, single_pass=single_pass, check_values="assert")
+
+
+@pytest.mark.parametrize("kind", ["sequence", "token"])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_bad_given_advantages_raise_like_native(kind, single_pass):
+    inp = make_inputs(4, 3, 17, seed=1, device=DEV, empty_rows=(2,))
+    call, kw = migration_call(inp, kind)  # NaN where no active token reads them: no error, native's numbers
+    got = run(triton, call, single_pass=single_pass, check_values="sync", **kw)
+    want = run(native, call, **kw)
+    for what, a, b in zip(("loss", "policy_loss", "kl", "grad"), got, want):
+        assert_close_verbose(a, b, atol=1e-6, rtol=1e-5, what=what)
+    bad = kw["advantages"].double()  # 1e300: finite in float64, inf in float32, the precision the loss reads
+    bad[(1, 0) if kind == "token" else 1] = 1e300  # the first token is active in every non-empty sequence
+    with pytest.raises(LossContractError) as exc:
+        native(**call, advantages=bad)
+    match = re.escape(str(exc.value))
+    assert str(exc.value).startswith("advantages: expected finite values")
+    with pytest.raises(LossContractError, match=f"^{match}$"):
+        triton(**call, advantages=bad, single_pass=single_pass, check_values="sync")
+    with pytest.raises(LossContractError, match=r"grpo_loss \(triton\) \(call #\d+, checked after it returned\): "
+                       + match):
+        triton(**call, advantages=bad, single_pass=single_pass)
+        raise_pending()
+    raise_pending()  # nothing left
+    if not HAS_CUDA:  # on the CPU the assert is synchronous; on CUDA it would end the process's CUDA context
+        with pytest.raises(RuntimeError, match="grpo_core: bad action_ids, rewards, old_logps"):
+            triton(**call, advantages=bad, single_pass=single_pass, check_values="assert")
 
 
 @pytest.mark.gpu
@@ -306,6 +388,18 @@ def test_registry_auto_never_picks_triton_for_cpu_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", MIGRATION)
+def test_registry_auto_picks_triton_for_every_option_on_cuda(name):
+    call, kw = migration_call(make_inputs(6, 5, 37, seed=3, device="cuda", empty_rows=(1,)), name)
+    auto = kernel_registry.get_op("grpo_loss")
+    got = auto(**call, **kw)
+    assert auto.last_backend == "triton", auto.last_rejected
+    for what, a, b in zip(("loss", "policy_loss", "kl"), got, native(**call, **kw)):
+        assert_close_verbose(a, b, atol=1e-5, rtol=1e-5, what=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 class TestCompiledOnGPU:
     def test_largest_vocab_and_long_sequence(self):
         inp = make_inputs(2, 64, 151936, seed=0, device="cuda", dtype=torch.bfloat16)
@@ -321,17 +415,19 @@ class TestCompiledOnGPU:
     def test_torch_compile_fullgraph_and_opcheck(self):
         from grpo_core.triton.grpo_loss import TritonGRPOLossOp
         from grpo_core.triton.ratio_kl import token_logprobs
-        inp = make_inputs(4, 8, 1000, seed=2, device="cuda")
+        inp = make_inputs(4, 8, 1000, seed=2, device="cuda", empty_rows=(1,))
         op = TritonGRPOLossOp()
-        for single in (True, False):
-            compiled = torch.compile(lambda x: op(**{**inp, "policy_logits": x}, samples_per_prompt=2,
-                                                  single_pass=single)[0], fullgraph=True)
+        for name, single in ((None, True), (None, False), ("token_tempered_grpo", False), ("unbiased_eps", True),
+                             ("sequence_tempered_dr_grpo", True)):
+            call, kw = migration_call(inp, name) if name else (inp, dict(samples_per_prompt=2))
+            compiled = torch.compile(lambda x: op(**{**call, "policy_logits": x}, **kw, single_pass=single)[0],
+                                     fullgraph=True)
             x = inp["policy_logits"].clone().requires_grad_(True)
             loss = compiled(x)
             loss.backward()
-            want = run(native, inp, samples_per_prompt=2)
-            assert_close_verbose(loss, want[0], atol=1e-4, rtol=1e-4, what=f"compiled loss single={single}")
-            assert_close_verbose(x.grad, want[3], atol=1e-5, rtol=1e-4, what=f"compiled grad single={single}")
+            want = run(native, call, **kw)
+            assert_close_verbose(loss, want[0], atol=1e-4, rtol=1e-4, what=f"compiled loss {name} single={single}")
+            assert_close_verbose(x.grad, want[3], atol=1e-5, rtol=1e-4, what=f"compiled grad {name} single={single}")
         mask8 = inp["completion_mask"].view(torch.int8)
         torch.library.opcheck(token_logprobs, (inp["policy_logits"].requires_grad_(True), inp["ref_logits"],
                                                inp["action_ids"], mask8))

@@ -46,7 +46,7 @@ class NativeGRPOLossOp:
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
-                         max_completion_length=max_completion_length, every_option=True)
+                         max_completion_length=max_completion_length)
         return tuple(self._run(policy_logits, ref_logits, action_ids, old_logps, rewards, advantages, o, {}))
 
     def supports(self, contract: GRPOLossContract) -> list[str]:

@@ -9,17 +9,18 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..canonical import STD_FLOOR
+from ..canonical import STD_EPS, STD_FLOOR
 from ..contract import AdvantageStd
 
 BLOCK = 1024
-MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2}
+MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2, AdvantageStd.UNBIASED_EPS: 3}
 
 
 @triton.jit
-def group_stats(r_ptr, lo, hi, floor, MODE: tl.constexpr, BLOCK: tl.constexpr):
+def group_stats(r_ptr, lo, hi, floor, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """`(mean, scale, bad)` of the rewards `r_ptr[lo:hi]` in fp32: the advantage is `(r - mean) * scale`, with
-    `scale = 1 / max(std, floor)` (1 without std); `bad` is 1 when a reward is not finite."""
+    `scale = 1 / max(std, floor)` (population or Bessel std), `1 / (Bessel std + eps)` (unbiased_eps, TRL's) or 1
+    (no std); `bad` is 1 when a reward is not finite."""
     n = (hi - lo).to(tl.float32)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -36,8 +37,11 @@ def group_stats(r_ptr, lo, hi, floor, MODE: tl.constexpr, BLOCK: tl.constexpr):
             inside = start + cols < hi
             d = tl.where(inside, tl.load(r_ptr + start + cols, mask=inside, other=0.0) - mean, 0.0)
             acc += d * d
-        var = tl.sum(acc, 0) / (n - 1.0 if MODE == 1 else n)
-        scale = 1.0 / tl.maximum(tl.sqrt(var), floor)
+        var = tl.sum(acc, 0) / (n if MODE == 0 else n - 1.0)
+        if MODE == 3:
+            scale = 1.0 / (tl.sqrt(var) + eps)
+        else:
+            scale = 1.0 / tl.maximum(tl.sqrt(var), floor)
     return mean, scale, tl.max(bad, 0)
 
 
@@ -48,15 +52,16 @@ def _group_norm_kernel(
     adv_ptr,  # out: advantages [S] fp32
     flag_ptr,  # out: int32 [G], 1 where the group holds a non-finite reward
     floor,  # std floor (1e-6)
+    eps,  # added to the Bessel std under unbiased_eps (1e-4)
     # Meta-parameters
-    MODE: tl.constexpr,  # 0 population std, 1 unbiased std, 2 no std
+    MODE: tl.constexpr,  # 0 population std, 1 unbiased std, 2 no std, 3 unbiased std + eps
     BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0)
-    floor = tl.cast(floor, tl.float32)  # Inductor passes fp64 scalars
+    floor, eps = tl.cast(floor, tl.float32), tl.cast(eps, tl.float32)  # Inductor passes fp64 scalars
     lo = tl.load(bounds_ptr + g)
     hi = tl.load(bounds_ptr + g + 1)
-    mean, scale, bad = group_stats(r_ptr, lo, hi, floor, MODE, BLOCK)
+    mean, scale, bad = group_stats(r_ptr, lo, hi, floor, eps, MODE, BLOCK)
     tl.store(flag_ptr + g, bad)
     cols = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
@@ -68,7 +73,8 @@ def _group_norm_kernel(
 def _launch(launch, rewards: torch.Tensor, bounds: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
     adv = torch.empty_like(rewards)
     flags = torch.empty(bounds.numel() - 1, dtype=torch.int32, device=rewards.device)
-    launch(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, flags, STD_FLOOR, MODE=mode, BLOCK=BLOCK)
+    launch(_group_norm_kernel)[(bounds.numel() - 1,)](rewards, bounds, adv, flags, STD_FLOOR, STD_EPS, MODE=mode,
+                                                    BLOCK=BLOCK)
     return adv, flags
 
 
@@ -88,8 +94,9 @@ def group_tensors(group_boundaries: tuple[int, ...], device: torch.device) -> tu
 
 def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(r - mean_g) / max(std_g, 1e-6)` (or `r - mean_g` without std) per CSR group, fp32 `[S]`, and int32 flags
-    `[G]`, 1 for each group that holds a non-finite reward. Eager calls launch directly (no custom-op dispatch)."""
+    """`(r - mean_g) / max(std_g, 1e-6)` (`/ (std_g + 1e-4)` under unbiased_eps, `r - mean_g` without std) per CSR
+    group, fp32 `[S]`, and int32 flags `[G]`, 1 for each group that holds a non-finite reward. Eager calls launch
+    directly (no custom-op dispatch)."""
     bounds = group_tensors(tuple(group_boundaries), rewards.device)[0]
     r = rewards.to(torch.float32).contiguous()
     if torch.compiler.is_compiling():

@@ -15,10 +15,14 @@ vocabulary (benchmarks/README.md), so two-pass is the default. Memory: both hold
 peak; single pass allocates it in the forward. `inplace=True` (single pass, eager only) writes it into
 `policy_logits`' own storage, overwriting the logits.
 
-Bad values (ids outside `[0, V)`, non-finite old log-probs or log-probs at active tokens, non-finite rewards,
-mask values other than 0 / 1) are flagged by the kernels and turned into the native op's `LossContractError`
-without a device sync (`check_values="deferred"`, `pending.py`), after one (`"sync"`), or by a device-side
-assert (`"assert"`).
+Every option of the native op is computed in the kernels: a temperature scales the logits as the row kernels read
+them; given advantages (`[B]` or `[B, T]`) take the place of the group statistics in the per-sequence kernel; the
+normalizer (TRL's `grpo` and `dr_grpo` included) is the finish kernel's.
+
+Bad values (ids outside `[0, V)`, non-finite old log-probs, given advantages or log-probs at active tokens,
+non-finite rewards, mask values other than 0 / 1) are flagged by the kernels and turned into the native op's
+`LossContractError` without a device sync (`check_values="deferred"`, `pending.py`), after one (`"sync"`), or by
+a device-side assert (`"assert"`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .. import pending
-from ..canonical import STD_FLOOR
-from ..contract import AdvantageStd, TokenNormalizer, loss_options
+from ..canonical import STD_EPS, STD_FLOOR
+from ..contract import AdvantageStd, TokenNormalizer, inverse_temperature, loss_options
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .launch import pick, twins
@@ -45,34 +49,40 @@ BLOCK_T = 1024
 def _sequence_kernel(
     out_ptr,  # fp32 [3, N] = logp, logp_ref, lse from the row kernel (SUMS)
     old_ptr,  # old log-probs [N] fp32 (SUMS)
-    r_ptr,  # rewards [B] fp32
-    bounds_ptr,  # CSR group offsets [G + 1] int64
-    group_ptr,  # group of each sequence [B] int32
+    r_ptr,  # rewards [B] fp32, or (GIVEN) the given advantages fp32 [B] (TOKEN_ADV: [N])
+    bounds_ptr,  # CSR group offsets [G + 1] int64 (not GIVEN)
+    group_ptr,  # group of each sequence [B] int32 (not GIVEN)
     mask_ptr,  # completion mask [N], any dtype, nonzero = active
     ids_ptr,  # action ids [N]
-    adv_ptr,  # out: advantages [B] fp32
+    adv_ptr,  # out: the advantages the tokens read, fp32 [B] (TOKEN_ADV: [N], 0.0 at inactive tokens)
     seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL (SUMS)
     counts_ptr,  # out: int64 [B] = active tokens (mask set, id in range)
     flags_ptr,  # out: int32 [1 + B]; flags_ptr[1 + b] = 1 where a mask value is not 0 / 1, an id at an active
-    # token is outside [0, V), a reward of the sequence's group is not finite, or (SUMS) an active token's old
-    # log-prob or log-probs are not finite
-    B, T, V, clip_low, clip_high, floor,
+    # token is outside [0, V), a reward of the sequence's group or a given advantage that an active token reads
+    # is not finite, or (SUMS) an active token's old log-prob or log-probs are not finite
+    B, T, V, clip_low, clip_high, floor, eps,
     # Meta-parameters
     HAS_REF: tl.constexpr,
     SUMS: tl.constexpr,
     CHECK_MASK: tl.constexpr,  # the mask is not bool: its values must be 0 or 1
-    MODE: tl.constexpr,  # advantage std: 0 population, 1 unbiased, 2 none
+    GIVEN: tl.constexpr,  # the advantages are given: no group statistics
+    TOKEN_ADV: tl.constexpr,  # (GIVEN) one advantage per token
+    MODE: tl.constexpr,  # advantage std (not GIVEN): 0 population, 1 unbiased, 2 none, 3 unbiased + eps
     BLOCK: tl.constexpr,
     BLOCK_G: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high, floor = _f32(clip_low), _f32(clip_high), _f32(floor)  # Inductor passes fp64 scalars
+    clip_low, clip_high = _f32(clip_low), _f32(clip_high)  # Inductor passes fp64 scalars
     N = B * T
-    g = tl.load(group_ptr + b)
-    mean, scale, bad_reward = group_stats(r_ptr, tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1), floor, MODE,
-                                          BLOCK_G)
-    adv = (tl.load(r_ptr + b) - mean) * scale
-    tl.store(adv_ptr + b, adv)
+    if GIVEN:
+        bad_seq = 0
+        if not TOKEN_ADV:
+            adv = tl.load(r_ptr + b)
+    else:
+        g = tl.load(group_ptr + b)
+        mean, scale, bad_seq = group_stats(r_ptr, tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1), _f32(floor),
+                                           _f32(eps), MODE, BLOCK_G)
+        adv = (tl.load(r_ptr + b) - mean) * scale
     acc_policy = tl.zeros((BLOCK,), tl.float32)
     acc_kl = tl.zeros((BLOCK,), tl.float32)
     count = tl.zeros((BLOCK,), tl.int32)
@@ -91,21 +101,32 @@ def _sequence_kernel(
         bad = tl.maximum(bad, wrong.to(tl.int32))
         active = on & valid
         count += active.to(tl.int32)
+        if TOKEN_ADV:
+            a = tl.load(r_ptr + row, mask=active, other=0.0)
+            tl.store(adv_ptr + row, a, mask=inside)
+            bad = tl.maximum(bad, (active & ~(tl.abs(a) < float("inf"))).to(tl.int32))  # NaN too
+        else:
+            a = adv
         if SUMS:
             logp = tl.load(out_ptr + row, mask=inside, other=0.0)
             old = tl.load(old_ptr + row, mask=active, other=0.0)
             finite = (tl.abs(logp) < float("inf")) & (tl.abs(old) < float("inf"))  # false for NaN too
             ratio = tl.exp(tl.where(active, logp - old, 0.0))
             clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-            acc_policy += tl.where(active, -tl.minimum(ratio * adv, clipped * adv), 0.0)
+            acc_policy += tl.where(active, -tl.minimum(ratio * a, clipped * a), 0.0)
             if HAS_REF:
                 logp_ref = tl.load(out_ptr + N + row, mask=inside, other=0.0)
                 finite = finite & (tl.abs(logp_ref) < float("inf"))
                 d = tl.where(active, logp_ref - logp, 0.0)
                 acc_kl += tl.exp(d) - d - 1.0
             bad = tl.maximum(bad, (active & ~finite).to(tl.int32))
-    tl.store(counts_ptr + b, tl.sum(count.to(tl.int64), 0))
-    tl.store(flags_ptr + 1 + b, tl.maximum(tl.max(bad, 0), bad_reward))
+    active_tokens = tl.sum(count.to(tl.int64), 0)
+    if not TOKEN_ADV:
+        tl.store(adv_ptr + b, adv)
+        if GIVEN:  # read by the sequence's active tokens, if it has any
+            bad_seq = ((active_tokens > 0) & ~(tl.abs(adv) < float("inf"))).to(tl.int32)
+    tl.store(counts_ptr + b, active_tokens)
+    tl.store(flags_ptr + 1 + b, tl.maximum(tl.max(bad, 0), bad_seq))
     if SUMS:
         tl.store(seq_ptr + b, tl.sum(acc_policy, 0))
         tl.store(seq_ptr + B + b, tl.sum(acc_kl, 0))
@@ -118,9 +139,10 @@ def _finish_kernel(
     weight_ptr,  # out: fp32 [B] = d loss / d (token term) of each sequence's tokens
     scalars_ptr,  # out: fp32 [3] = loss, policy_loss, kl (SUMS)
     flags_ptr,  # int32 [1 + B]: [0] out: any flag set; [1:] the sequence flags
-    B, beta, constant,
+    B, beta, constant,  # constant: the denominator when DENOM == "constant"
     # Meta-parameters
-    NORMALIZER: tl.constexpr,  # 0 global_active_tokens, 1 per_sequence_then_mean, 2 fixed_constant
+    MEANS: tl.constexpr,  # each sequence's token sums are divided by its active tokens first (0 when it has none)
+    DENOM: tl.constexpr,  # "tokens" (the batch's active tokens), "sequences" (those with one) or "constant"
     SUMS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -138,27 +160,28 @@ def _finish_kernel(
         if SUMS:
             p = tl.load(seq_ptr + i, mask=inside, other=0.0)
             k = tl.load(seq_ptr + B + i, mask=inside, other=0.0)
-            if NORMALIZER == 1:
-                denom = tl.maximum(c, 1).to(tl.float32)
-                p = tl.where(c > 0, p / denom, 0.0)
-                k = tl.where(c > 0, k / denom, 0.0)
+            if MEANS:
+                tokens = tl.maximum(c, 1).to(tl.float32)
+                p = tl.where(c > 0, p / tokens, 0.0)
+                k = tl.where(c > 0, k / tokens, 0.0)
             acc_policy += p
             acc_kl += k
-    tokens = tl.maximum(tl.sum(acc_tokens, 0), 1).to(tl.float32)
-    seqs = tl.maximum(tl.sum(acc_seqs, 0), 1).to(tl.float32)
+    if DENOM == "tokens":
+        denom = tl.maximum(tl.sum(acc_tokens, 0), 1).to(tl.float32)
+    elif DENOM == "sequences":
+        denom = tl.maximum(tl.sum(acc_seqs, 0), 1).to(tl.float32)
+    else:
+        denom = constant
     for start in range(0, B, BLOCK):
         i = start + tl.arange(0, BLOCK)
         inside = i < B
         c = tl.load(counts_ptr + i, mask=inside, other=0)
-        if NORMALIZER == 0:
-            w = tl.full((BLOCK,), 1.0, tl.float32) / tokens
-        elif NORMALIZER == 1:
-            w = tl.where(c > 0, 1.0 / (tl.maximum(c, 1).to(tl.float32) * seqs), 0.0)
+        if MEANS:
+            w = tl.where(c > 0, 1.0 / (tl.maximum(c, 1).to(tl.float32) * denom), 0.0)
         else:
-            w = tl.full((BLOCK,), 1.0, tl.float32) / constant
+            w = tl.full((BLOCK,), 1.0, tl.float32) / denom
         tl.store(weight_ptr + i, w, mask=inside)
     if SUMS:
-        denom = tokens if NORMALIZER == 0 else (seqs if NORMALIZER == 1 else constant)
         policy_loss = tl.sum(acc_policy, 0) / denom
         kl = tl.sum(acc_kl, 0) / denom
         tl.store(scalars_ptr, policy_loss + beta * kl)
@@ -185,21 +208,34 @@ def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
 _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 
-_NORMALIZERS = {TokenNormalizer.GLOBAL_ACTIVE_TOKENS: 0, TokenNormalizer.PER_SEQUENCE_THEN_MEAN: 1,
-                TokenNormalizer.FIXED_CONSTANT: 2}
+def _finish_options(normalizer: TokenNormalizer, constant: float | None, B: int) -> tuple[bool, str, float]:
+    """The finish kernel's `(MEANS, DENOM, constant)` for a token normalizer, with `canonical.normalize`'s constant
+    denominators: the batch mean's `B`, dr_grpo's `B * max_completion_length` (`constant`), each rounded once."""
+    if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
+        return False, "tokens", 1.0
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
+        return True, "sequences", 1.0
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN:
+        return True, "constant", float(B)
+    if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+        return False, "constant", float(B * int(constant))
+    return False, "constant", constant  # fixed_constant
 
 
-def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, group_of, std, clip_low, clip_high, beta,
-             single_pass, normalizer, constant, grad=None):
-    """All launches of the forward: `(out [3, N] per-token log-probs, adv [B], weight [B], scalars [3] = loss,
-    policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. Two-pass mode launches the row kernel
+def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high, beta, inv,
+             single_pass, means, denom, constant, grad=None):
+    """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
+    loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
+    advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. Two-pass mode launches the row kernel
     first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
     gradient (default: a new tensor)."""
     B, T, V = policy.shape
     dev = policy.device
     ids, mask = flat(ids), flat(mask)
+    given = bounds is None
     flags = torch.empty(1 + B, dtype=torch.int32, device=dev)
-    adv, weight = torch.empty(B, dtype=torch.float32, device=dev), torch.empty(B, dtype=torch.float32, device=dev)
+    adv = torch.empty(source.shape, dtype=torch.float32, device=dev)
+    weight = torch.empty(B, dtype=torch.float32, device=dev)
     seq, scalars = torch.empty(2, B, dtype=torch.float32, device=dev), torch.empty(3, dtype=torch.float32, device=dev)
     counts = torch.empty(B, dtype=torch.int64, device=dev)
     if grad is None:
@@ -207,15 +243,16 @@ def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, group_of, std
 
     def rows_kernel():
         return launch_forward(launch, policy, ref, ids, mask, None, old, adv, weight,
-                              grad if single_pass else None, clip_low, clip_high, beta)
+                              grad if single_pass else None, clip_low, clip_high, beta, inv)
 
     def sequences(out, sums):
         launch(_sequence_kernel)[(B,)](
-            out, old, rewards, bounds, group_of, mask, ids, adv, seq, counts, flags, B, T, V, clip_low, clip_high,
-            STD_FLOOR, HAS_REF=ref is not None, SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, MODE=std,
+            out, old, source, source if given else bounds, source if given else group_of, mask, ids, adv, seq, counts,
+            flags, B, T, V, clip_low, clip_high, STD_FLOOR, STD_EPS, HAS_REF=ref is not None, SUMS=sums,
+            CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
             BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
-        launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant,
-                                     NORMALIZER=normalizer, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
+        launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
+                                     DENOM=denom, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
 
     if single_pass:  # the gradient coefficient needs the advantages and the weights first
         sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read
@@ -226,23 +263,24 @@ def _forward(launch, policy, ref, ids, mask, old, rewards, bounds, group_of, std
 
 @triton_op("grpo_core::grpo_forward", mutates_args={})
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
-                 old: torch.Tensor, rewards: torch.Tensor, bounds: torch.Tensor, group_of: torch.Tensor, std: int,
-                 clip_low: float, clip_high: float, beta: float, single_pass: bool, normalizer: int, constant: float
+                 old: torch.Tensor, source: torch.Tensor, bounds: torch.Tensor | None, group_of: torch.Tensor | None,
+                 std: int, clip_low: float, clip_high: float, beta: float, inv: float, single_pass: bool, means: bool,
+                 denom: str, constant: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(out [3, N], adv [B], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token log-probs,
-    the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode
+    """`(out [3, N], adv [B] or [B, T], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token
+    log-probs, the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode
     `d loss / d policy` (else an empty tensor)."""
-    return _forward(wrap_triton, policy, ref, ids, mask, old, rewards, bounds, group_of, std, clip_low, clip_high,
-                    beta, single_pass, normalizer, constant)
+    return _forward(wrap_triton, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high,
+                    beta, inv, single_pass, means, denom, constant)
 
 
 @triton_op("grpo_core::grpo_backward", mutates_args={})
 def grpo_backward(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, old: torch.Tensor,
                   adv: torch.Tensor, weight: torch.Tensor, grad_loss: torch.Tensor, clip_low: float, clip_high: float,
-                  beta: float, has_ref: bool) -> torch.Tensor:
+                  beta: float, has_ref: bool, inv: float) -> torch.Tensor:
     """Two-pass backward: the gradient from a second stream over the policy rows."""
     return launch_grad(wrap_triton, policy, ids, mask, out, grad_loss.reshape(1), old, adv, weight, clip_low,
-                       clip_high, beta, has_ref)
+                       clip_high, beta, has_ref, inv)
 
 
 class _GRPOLoss(torch.autograd.Function):
@@ -276,12 +314,13 @@ class _GRPOLoss(torch.autograd.Function):
 
 
 class TritonGRPOLossOp:
-    """Same call as the native op (`NativeGRPOLossOp.__call__`), plus `single_pass` (compute the gradient during
-    the forward), `inplace` (implies single pass: the gradient overwrites `policy_logits`) and `check_values`.
+    """Same call as the native op (`NativeGRPOLossOp.__call__`, every option), plus `single_pass` (compute the
+    gradient during the forward), `inplace` (implies single pass: the gradient overwrites `policy_logits`) and
+    `check_values`.
 
-    `check_values`: a bad id, mask value, reward or old log-prob, or a non-finite log-prob, raises the native
-    op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of the GPU); the
-    error, naming this call, is raised at the start of the next call of a grpo_core GPU op or by
+    `check_values`: a bad id, mask value, reward, given advantage or old log-prob, or a non-finite log-prob,
+    raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
+    the GPU); the error, naming this call, is raised at the start of the next call of a grpo_core GPU op or by
     `grpo_core.raise_pending()`, and this call's numbers must not be used. "sync": one device sync, raised by
     this call. "assert": a device-side assert, which surfaces as a CUDA error at the next sync and leaves the
     CUDA context unusable, like an out-of-range target in `torch.nn.functional.cross_entropy` (and the only
@@ -291,41 +330,46 @@ class TritonGRPOLossOp:
     backend = "triton"
 
     def __call__(self, policy_logits: torch.Tensor, ref_logits: torch.Tensor | None, action_ids: torch.Tensor,
-                 old_logps: torch.Tensor, rewards: torch.Tensor, completion_mask: torch.Tensor,
+                 old_logps: torch.Tensor, rewards: torch.Tensor | None, completion_mask: torch.Tensor,
                  clip_eps: float = 0.2, beta: float = 0.04, samples_per_prompt: int | None = None,
                  group_boundaries: Any = None, *, clip_eps_high: float | None = None,
-                 normalizer: TokenNormalizer | str = TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
-                 normalizer_constant: float | None = None, advantage_std: AdvantageStd | str = AdvantageStd.POPULATION,
-                 single_pass: bool = False, inplace: bool = False, check_values: str = "deferred"
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 normalizer: TokenNormalizer | str | None = None, normalizer_constant: float | None = None,
+                 advantage_std: AdvantageStd | str | None = None, temperature: float = 1.0,
+                 advantages: torch.Tensor | None = None, loss_type: str | None = None,
+                 max_completion_length: int | None = None, single_pass: bool = False, inplace: bool = False,
+                 check_values: str = "deferred") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
-                         advantage_std, values=False)
+                         advantage_std, values=False, temperature=temperature, advantages=advantages,
+                         loss_type=loss_type, max_completion_length=max_completion_length)
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
             raise ValueError("inplace: writing the gradient into policy_logits needs policy_logits.requires_grad "
                              "and grad mode on")
-        clip = (o.clip_eps, o.clip_eps_high, o.beta)
+        clip, inv = (o.clip_eps, o.clip_eps_high, o.beta), inverse_temperature(o.temperature)
         x = policy_logits.detach()
+        B, T = o.mask.shape
         old = flat(old_logps.float())  # the kernels index [B * T] and [B] vectors densely: no strides, no offsets
-        args = (ref_logits, action_ids, completion_mask, old, rewards.float().contiguous(),
-                *group_tensors(o.groups, x.device),
-                MODES[o.std], *clip, single, _NORMALIZERS[o.normalizer], o.constant or 1.0)
+        if advantages is None:
+            source, groups = rewards.float().contiguous(), (*group_tensors(o.groups, x.device), MODES[o.std])
+        else:  # no group statistics: the kernels read the advantages as given
+            source, groups = advantages.detach().float().contiguous(), (None, None, 0)
+        args = (ref_logits, action_ids, completion_mask, old, source, *groups, *clip, inv, single,
+                *_finish_options(o.normalizer, o.constant, B))
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
         elif torch.compiler.is_compiling():
             out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
         else:
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args)
-        B, T = o.mask.shape
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
-                           None if ref_logits is None else out[1].view(B, T))
+                           None if ref_logits is None else out[1].view(B, T), advantages)
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
-                                   (*clip, ref_logits is not None))
+                                   (*clip, ref_logits is not None, inv))
         return loss, policy_loss, kl

@@ -7,6 +7,10 @@ only if the row is still there). Masked tokens (and tokens whose id is out of ra
 no logits. Rows are read in chunks aligned to 16-byte boundaries, so that odd vocabularies (50257) still get
 vector loads: an active row's first chunk may cover up to 14 bytes of the row before it, which are discarded.
 `_logprob_grad_kernel` is the classic second pass (two-pass mode and the `ratio_kl` backward).
+
+A temperature (SCALE) multiplies the fp32 logits by `inv = fp32(1 / temperature)` as they are read, in both
+kernels, and the gradient wrt the logits is `inv *` the gradient wrt the scaled logits; at temperature 1 the
+kernels are those without it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ def _f32(x):
 
 
 @triton.jit
+def _scaled(x, inv, SCALE: tl.constexpr):
+    """Logits as the loss reads them: fp32, times the inverse temperature `inv` with SCALE."""
+    x = x.to(tl.float32)
+    if SCALE:
+        x = x * inv
+    return x
+
+
+@triton.jit
 def _online_update(x, m, s):
     m_new = tl.maximum(m, tl.max(x, 0))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of -inf logits adds 0, not NaN
@@ -53,12 +66,13 @@ def _aligned_row(ptr, row, stride, VEC: tl.constexpr):
 
 
 @triton.jit
-def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, HAS_REF: tl.constexpr, VEC_X: tl.constexpr,
-              VEC_R: tl.constexpr, BLOCK: tl.constexpr):
-    """Online log-sum-exp of the policy row (and the reference row, in the same loop) in fp32: one exp per
-    element, one rescale per chunk. Both rows stream together, so twice the bytes are in flight per step. Chunks
-    start at 16-byte boundaries: the body loads are unmasked aligned vectors; the few columns before the row
-    (first chunk, in bounds: the previous row) count as -inf, and the tail is read in small masked chunks."""
+def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF: tl.constexpr, SCALE: tl.constexpr,
+              VEC_X: tl.constexpr, VEC_R: tl.constexpr, BLOCK: tl.constexpr):
+    """Online log-sum-exp of the policy row (and the reference row, in the same loop) in fp32, of the logits
+    times `inv` with SCALE: one exp per element, one rescale per chunk. Both rows stream together, so twice the
+    bytes are in flight per step. Chunks start at 16-byte boundaries: the body loads are unmasked aligned vectors;
+    the few columns before the row (first chunk, in bounds: the previous row) count as -inf, and the tail is read
+    in small masked chunks."""
     cols = tl.arange(0, BLOCK)
     x_base, sx = _aligned_row(x_ptr, row, stride_x, VEC_X)
     r_base, sr = _aligned_row(r_ptr, row, stride_r, VEC_R)
@@ -71,24 +85,24 @@ def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, HAS_REF: tl.constexpr, V
         s_ref = tl.zeros((), tl.float32)
     full = (V + tl.minimum(sx, sr)) // BLOCK  # whole chunks that end inside both rows
     if full > 0:  # the first chunk starts before the row (columns < 0: in bounds, the previous row)
-        x = tl.where(cols >= sx, tl.load(x_base + cols).to(tl.float32), float("-inf"))
+        x = tl.where(cols >= sx, _scaled(tl.load(x_base + cols), inv, SCALE), float("-inf"))
         if HAS_REF:
-            r = tl.where(cols >= sr, tl.load(r_base + cols).to(tl.float32), float("-inf"))
+            r = tl.where(cols >= sr, _scaled(tl.load(r_base + cols), inv, SCALE), float("-inf"))
             m_ref, s_ref = _online_update(r, m_ref, s_ref)
         m, s = _online_update(x, m, s)
     for k in range(1, full):  # unmasked, aligned
         offs = k * BLOCK + cols
-        x = tl.load(x_base + offs).to(tl.float32)
+        x = _scaled(tl.load(x_base + offs), inv, SCALE)
         if HAS_REF:
-            m_ref, s_ref = _online_update(tl.load(r_base + offs).to(tl.float32), m_ref, s_ref)
+            m_ref, s_ref = _online_update(_scaled(tl.load(r_base + offs), inv, SCALE), m_ref, s_ref)
         m, s = _online_update(x, m, s)
     SUB: tl.constexpr = 256 if BLOCK > 256 else BLOCK
     tail = tl.arange(0, SUB)
     for start in range(full * BLOCK, V + tl.maximum(sx, sr), SUB):  # small masked chunks: few registers
         offs = start + tail
-        x = tl.load(x_base + offs, mask=(offs >= sx) & (offs < V + sx), other=float("-inf")).to(tl.float32)
+        x = _scaled(tl.load(x_base + offs, mask=(offs >= sx) & (offs < V + sx), other=float("-inf")), inv, SCALE)
         if HAS_REF:
-            r = tl.load(r_base + offs, mask=(offs >= sr) & (offs < V + sr), other=float("-inf")).to(tl.float32)
+            r = _scaled(tl.load(r_base + offs, mask=(offs >= sr) & (offs < V + sr), other=float("-inf")), inv, SCALE)
             m_ref, s_ref = _online_update(r, m_ref, s_ref)
         m, s = _online_update(x, m, s)
     return m + tl.log(s), m_ref + tl.log(s_ref)
@@ -107,15 +121,16 @@ def _token_coef(logp, logp_ref, old, adv, weight, clip_low, clip_high, beta, HAS
 
 
 @triton.jit
-def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, MASKED: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv, SCALE: tl.constexpr,
+                MASKED: tl.constexpr, BLOCK: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     c = offs - shift  # column
     if MASKED:  # the head (columns before the row belong to the previous row) and the tail
         inside = (c >= 0) & (c < V)
-        x = tl.load(x_base + offs, mask=(c >= 0) & (c < tl.where(active, V, 0)), other=0.0).to(tl.float32)
+        x = _scaled(tl.load(x_base + offs, mask=(c >= 0) & (c < tl.where(active, V, 0)), other=0.0), inv, SCALE)
     else:
-        x = tl.load(x_base + offs, mask=tl.arange(0, BLOCK) < tl.where(active, BLOCK, 0), other=0.0).to(tl.float32)
+        x = _scaled(tl.load(x_base + offs, mask=tl.arange(0, BLOCK) < tl.where(active, BLOCK, 0), other=0.0), inv,
+                    SCALE)
     grad = tl.where(active, coef * (tl.where(c == action, 1.0, 0.0) - tl.exp(x - lse)), 0.0)
     if MASKED:
         tl.store(g_base + offs, grad.to(g_base.dtype.element_ty), mask=inside)
@@ -124,38 +139,43 @@ def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, MASK
 
 
 @triton.jit
-def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, BLOCK: tl.constexpr, SUB: tl.constexpr):
+def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, inv, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+              SUB: tl.constexpr):
     """Offsets `[shift, V + shift)` from the aligned bases hold the row: a masked `SUB`-wide head when the row
     does not start on a boundary, unmasked aligned `BLOCK`-wide chunks, unmasked `SUB`-wide ones, and one masked
     `SUB`-wide end (masked chunks are scalar loads and stores, so they are kept small)."""
     end = V + shift
     head = tl.where(shift == 0, 0, SUB)
     if shift != 0:
-        _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, True, SUB)
+        _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, inv, SCALE, True, SUB)
     full = tl.maximum(end - head, 0) // BLOCK
     for k in range(0, full):
-        _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, False, BLOCK)
+        _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, inv, SCALE, False, BLOCK)
     start = head + full * BLOCK
     subs = tl.maximum(end - start, 0) // SUB
     for j in range(0, subs):
-        _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, False, SUB)
+        _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, inv, SCALE, False, SUB)
     if start + subs * SUB < end:
-        _grad_chunk(x_base, g_base, start + subs * SUB, shift, V, lse, coef, action, active, True, SUB)
+        _grad_chunk(x_base, g_base, start + subs * SUB, shift, V, lse, coef, action, active, inv, SCALE, True, SUB)
 
 
 @triton.jit
-def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """`coef * (onehot(action) - exp(x - lse))` in the gradient's dtype for one row; exact zeros (and no reads)
-    when not active. Chunks follow the gradient row's 16-byte boundaries (aligned, unmasked vector stores in the
-    body); the policy row's loads are aligned too when its start sits at the same offset from a boundary."""
+def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE: tl.constexpr,
+                VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """`coef * (onehot(action) - exp(x - lse))` in the gradient's dtype for one row, times `inv` with SCALE (`x`:
+    the logits times `inv`); exact zeros (and no reads) when not active. Chunks follow the gradient row's 16-byte
+    boundaries (aligned, unmasked vector stores in the body); the policy row's loads are aligned too when its start
+    sits at the same offset from a boundary."""
     SUB: tl.constexpr = 256 if BLOCK > 256 else BLOCK
+    if SCALE:
+        coef = coef * inv
     g_base, shift = _aligned_row(g_ptr, row, stride_g, VEC)
     x_start = row * stride_x
     if x_start % VEC == shift:
-        _grad_row(x_ptr + tl.multiple_of(x_start - shift, VEC), g_base, shift, V, lse, coef, action, active, BLOCK, SUB)
+        _grad_row(x_ptr + tl.multiple_of(x_start - shift, VEC), g_base, shift, V, lse, coef, action, active, inv,
+                  SCALE, BLOCK, SUB)
     else:  # x_start >= row * stride_g >= shift (the gradient rows are packed), so never before x_ptr
-        _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, BLOCK, SUB)
+        _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, inv, SCALE, BLOCK, SUB)
 
 
 def _logprob_fwd_kernel(
@@ -166,22 +186,24 @@ def _logprob_fwd_kernel(
     out_ptr,  # out: fp32 [3, N] = logp, logp_ref, lse (0.0 on masked tokens)
     err_ptr,  # out: int32 [1], set to 1 when an active id is outside [0, V) (FLAG_IDS)
     old_ptr,  # old log-probs [N] fp32 (SINGLE_PASS)
-    adv_ptr,  # advantages [N // T] fp32 (SINGLE_PASS)
+    adv_ptr,  # advantages [N // T] fp32 (SINGLE_PASS; TOKEN_ADV: [N], one per token)
     w_ptr,  # normalizer weight per sequence [N // T] fp32 (SINGLE_PASS)
     g_ptr,  # out: gradient [N, V] in the logits dtype, rows `stride_g` apart (SINGLE_PASS)
     N, T, V,
     stride_x, stride_r, stride_g,
-    clip_low, clip_high, beta,
+    clip_low, clip_high, beta, inv,  # inv: the inverse temperature (SCALE)
     # Meta-parameters
     HAS_REF: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    TOKEN_ADV: tl.constexpr,
+    SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
     FLAG_IDS: tl.constexpr,  # the GRPO op checks the ids in its per-sequence kernel instead
     VEC_X: tl.constexpr,  # elements per 16 bytes of the policy logits (and of the gradient)
     VEC_R: tl.constexpr,  # ... of the reference logits
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high, beta = _f32(clip_low), _f32(clip_high), _f32(beta)  # Inductor passes fp64 scalars
+    clip_low, clip_high, beta, inv = _f32(clip_low), _f32(clip_high), _f32(beta), _f32(inv)  # Inductor: fp64
     active = tl.load(mask_ptr + row) != 0
     action = tl.load(ids_ptr + row).to(tl.int64)
     valid = (action >= 0) & (action < V)
@@ -194,18 +216,19 @@ def _logprob_fwd_kernel(
     logp_ref = tl.zeros((), tl.float32)
     lse = tl.zeros((), tl.float32)
     if active:
-        lse, lse_ref = _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, HAS_REF, VEC_X, VEC_R, BLOCK)
-        logp = tl.load(x_row + action).to(tl.float32) - lse
+        lse, lse_ref = _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF, SCALE, VEC_X, VEC_R, BLOCK)
+        logp = _scaled(tl.load(x_row + action), inv, SCALE) - lse
         if HAS_REF:
-            logp_ref = tl.load(r_row + action).to(tl.float32) - lse_ref
+            logp_ref = _scaled(tl.load(r_row + action), inv, SCALE) - lse_ref
     tl.store(out_ptr + row, logp)
     tl.store(out_ptr + N + row, logp_ref)
     tl.store(out_ptr + 2 * N + row, lse)
     if SINGLE_PASS:
         seq = row // T
-        coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), tl.load(adv_ptr + seq), tl.load(w_ptr + seq),
-                           clip_low, clip_high, beta, HAS_REF)
-        _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC_X, BLOCK)
+        adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
+        coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), adv, tl.load(w_ptr + seq), clip_low, clip_high,
+                           beta, HAS_REF)
+        _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC_X, BLOCK)
 
 
 def _logprob_grad_kernel(
@@ -215,19 +238,21 @@ def _logprob_grad_kernel(
     out_ptr,  # fp32 [3, N] = logp, logp_ref, lse from the forward
     coef_ptr,  # d loss / d logp per token [N] fp32 (COEF_FROM_PTR), else d loss / d loss [1] fp32
     old_ptr,  # old log-probs [N] fp32 (GRPO coefficient)
-    adv_ptr,  # advantages [N // T] fp32 (GRPO coefficient)
+    adv_ptr,  # advantages [N // T] fp32 (GRPO coefficient; TOKEN_ADV: [N], one per token)
     w_ptr,  # normalizer weight per sequence [N // T] fp32 (GRPO coefficient)
     g_ptr,  # out: gradient [N, V], rows `stride_g` apart
     N, T, V, stride_x, stride_g,
-    clip_low, clip_high, beta,
+    clip_low, clip_high, beta, inv,  # inv: the inverse temperature (SCALE)
     # Meta-parameters
     COEF_FROM_PTR: tl.constexpr,
     HAS_REF: tl.constexpr,
+    TOKEN_ADV: tl.constexpr,
+    SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     VEC: tl.constexpr,  # elements per 16 bytes of the logits and the gradient
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high, beta = _f32(clip_low), _f32(clip_high), _f32(beta)  # Inductor passes fp64 scalars
+    clip_low, clip_high, beta, inv = _f32(clip_low), _f32(clip_high), _f32(beta), _f32(inv)  # Inductor: fp64
     action = tl.load(ids_ptr + row).to(tl.int64)
     active = (tl.load(mask_ptr + row) != 0) & (action >= 0) & (action < V)
     logp = tl.load(out_ptr + row)
@@ -236,9 +261,10 @@ def _logprob_grad_kernel(
         coef = tl.load(coef_ptr + row)
     else:
         seq = row // T
-        coef = _token_coef(logp, tl.load(out_ptr + N + row), tl.load(old_ptr + row), tl.load(adv_ptr + seq),
-                           tl.load(w_ptr + seq), clip_low, clip_high, beta, HAS_REF) * tl.load(coef_ptr)
-    _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, VEC, BLOCK)
+        adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
+        coef = _token_coef(logp, tl.load(out_ptr + N + row), tl.load(old_ptr + row), adv, tl.load(w_ptr + seq),
+                           clip_low, clip_high, beta, HAS_REF) * tl.load(coef_ptr)
+    _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC, BLOCK)
 
 
 _FWD = twins(_logprob_fwd_kernel, ["V", "stride_x", "stride_r", "stride_g"])
@@ -262,10 +288,11 @@ def block(V: int) -> int:
 
 
 def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
-                   clip_high=0.0, beta=0.0) -> torch.Tensor:
+                   clip_high=0.0, beta=0.0, inv=1.0) -> torch.Tensor:
     """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one): per-token
-    `[3, N]` log-probs; `err [1]` (int32, zeroed by the caller; or None) is set to 1 when an active id is out of
-    range."""
+    `[3, N]` log-probs of the logits times `inv` (the fp32 inverse temperature); `err [1]` (int32, zeroed by the
+    caller; or None) is set to 1 when an active id is out of range. Single pass (`grad`): `adv` is `[B]` or `[B, T]`
+    (one per token)."""
     x = rows(policy)
     r = rows(ref) if ref is not None else x
     N, V = x.shape
@@ -276,17 +303,18 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
         return out.zero_()
     launch(pick(_FWD, V, x.stride(0), r.stride(0), g.stride(0)))[(N,)](
         x, r, flat(ids), flat(mask), out, out if err is None else err, flat(old) if single else out,
-        adv if single else out, weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0),
-        g.stride(0), clip_low, clip_high, beta, HAS_REF=ref is not None, SINGLE_PASS=single,
-        FLAG_IDS=err is not None, VEC_X=16 // x.element_size(), VEC_R=16 // r.element_size(), BLOCK=block(V),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        flat(adv) if single else out, weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0),
+        g.stride(0), clip_low, clip_high, beta, inv, HAS_REF=ref is not None, SINGLE_PASS=single,
+        TOKEN_ADV=single and adv.dim() == 2, SCALE=inv != 1.0, FLAG_IDS=err is not None, VEC_X=16 // x.element_size(),
+        VEC_R=16 // r.element_size(), BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
 def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight=None, clip_low=0.0, clip_high=0.0,
-                beta=0.0, has_ref=False) -> torch.Tensor:
+                beta=0.0, has_ref=False, inv=1.0) -> torch.Tensor:
     """Second pass: the gradient `[B, T, V]` in the logits dtype. `coef` is per token `[B, T]`, or, with `old` /
-    `adv` / `weight`, the scalar `d loss / d loss` that scales the in-kernel GRPO coefficient."""
+    `adv` (`[B]` or `[B, T]`) / `weight`, the scalar `d loss / d loss` that scales the in-kernel GRPO coefficient;
+    `inv`: the fp32 inverse temperature the forward scaled the logits by."""
     x = rows(policy)
     N, V = x.shape
     grad = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
@@ -294,10 +322,11 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
     if N == 0 or V == 0:
         return grad.view(policy.shape)
     launch(pick(_GRAD, V, x.stride(0), grad.stride(0)))[(N,)](
-        x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old), out if from_ptr else adv,
-        out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high,
-        beta, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, VEC=16 // x.element_size(), BLOCK=block(V), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old),
+        out if from_ptr else flat(adv), out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0),
+        grad.stride(0), clip_low, clip_high, beta, inv, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref,
+        TOKEN_ADV=not from_ptr and adv.dim() == 2, SCALE=inv != 1.0, VEC=16 // x.element_size(), BLOCK=block(V),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return grad.view(policy.shape)
 
 
@@ -352,26 +381,26 @@ CHECKS = ("deferred", "sync", "assert")
 
 def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_logits, ref_logits, action_ids,
                        old_logps, rewards, completion_mask, beta: float, logp: torch.Tensor,
-                       logp_ref: torch.Tensor | None) -> None:
-    """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward or old log-prob is bad or a
-    log-prob is not finite) into the native op's `LossContractError`, by `check_values`:
-    "deferred" (default): no device sync here; the error surfaces at the next call of an op that defers its checks,
-    or at `grpo_core.raise_pending()` (`pending.py`); "sync": one device sync, raised by this call; "assert": a
+                       logp_ref: torch.Tensor | None, advantages: torch.Tensor | None = None) -> None:
+    """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward, given advantage or old log-prob
+    is bad or a log-prob is not finite) into the native op's `LossContractError`, by `check_values`:
+    "deferred" (default): no device sync here; the error surfaces at a later call of an op that defers its checks
+    (at the latest `pending.AHEAD` calls later), or at `grpo_core.raise_pending()` (`pending.py`); "sync": one device sync, raised by this call; "assert": a
     device-side assert (it ends the process's CUDA context), also the only choice inside a compiled graph. The
     kernels never read out of bounds: flagged tokens are skipped."""
     if check_values not in CHECKS:
         raise LossContractError(f"check_values: expected one of {CHECKS}, got {check_values!r}")
     if check_values == "assert" or torch.compiler.is_compiling():
-        torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards, old_logps or completion_mask values or "
-                                      "non-finite log-probs (check_values='sync' gives the precise error)")
+        torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards, old_logps, advantages or completion_mask "
+                                      "values or non-finite log-probs (check_values='sync' gives the precise error)")
         return
     # What the precise check reads; the logits only lend their shape, dtype and device.
-    kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask)]
+    kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
     logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy_logits, ref_logits)]
 
     def recheck() -> None:
-        mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept, beta=beta,
-                            rewards_required=rewards is not None)
+        mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=beta,
+                            rewards_required=rewards is not None, advantages=kept[4])
         check_logprobs(logp, logp_ref, mask)
 
     if check_values == "sync":
