@@ -7,7 +7,9 @@ blocking the host. The error, the same `LossContractError` the native op raises,
 the bad value, surfaces:
 - at the start of a later call of any grpo_core op that defers its checks (`poll()`), once the GPU has produced
   the flag: a call waits for a flag only when `AHEAD` calls' flags are still unread, so the host keeps running
-  ahead of the GPU and the error comes at the latest `AHEAD` calls after the bad one;
+  ahead of the GPU and the error comes at the latest `AHEAD` calls after the bad one. A collective call's flag
+  (gathered over a process group) is read only then, never earlier, so that every rank raises at the same call
+  whatever its GPU's progress;
 - or at `raise_pending()`, which waits for every flag, for whoever wants certainty at a given point (before an
   optimizer step, say).
 The call that had the bad value returns numbers that must not be used; after the error, nothing is pending. The
@@ -39,6 +41,7 @@ class _Check:
     flag: torch.Tensor  # a pinned host slot, nonzero = a bad value
     event: torch.cuda.Event
     recheck: Callable[[], None]  # raises the precise LossContractError from the inputs
+    collective: bool  # the same flag on every rank of a group: read at the same call on every rank
 
 
 _calls = itertools.count(1)
@@ -46,7 +49,7 @@ _pending: collections.deque[_Check] = collections.deque()
 _rings: dict[torch.dtype, torch.Tensor] = {}
 
 
-def defer(flag: torch.Tensor, recheck: Callable[[], None], label: str) -> None:
+def defer(flag: torch.Tensor, recheck: Callable[[], None], label: str, collective: bool = False) -> None:
     """Queues the 0-d device tensor `flag` (nonzero: a bad value) of one call of `label`; `recheck()` must raise
     the precise error. CPU flags are read at once (there is no device to overlap with)."""
     call = next(_calls)
@@ -60,13 +63,14 @@ def defer(flag: torch.Tensor, recheck: Callable[[], None], label: str) -> None:
     host.copy_(flag, non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(flag.device))
-    _pending.append(_Check(call, label, host, event, recheck))
+    _pending.append(_Check(call, label, host, event, recheck, collective))
 
 
 def poll() -> None:
-    """At the start of a call: raises the error of the earliest call whose flag shows a bad value, among the flags
-    the GPU has produced and, waiting for them, the oldest ones beyond `AHEAD - 1` unread."""
-    while _pending and (len(_pending) >= AHEAD or _pending[0].event.query()):
+    """At the start of a call: raises the error of the earliest call whose flag shows a bad value, among the oldest
+    flags beyond `AHEAD - 1` unread (waiting for them) and, up to the first collective one, those the GPU has
+    produced."""
+    while _pending and (len(_pending) >= AHEAD or (not _pending[0].collective and _pending[0].event.query())):
         _read(_pending.popleft(), wait=True)
 
 

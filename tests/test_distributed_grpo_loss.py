@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, bits, make_inputs
-from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, kernel_registry
+from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, kernel_registry, pending
 from grpo_core.distributed import DistributedGRPOLossOp, VocabParallelLogprobOp
 from harness.topology import Layout, layouts, run_world
 
@@ -191,6 +191,20 @@ def world_suite(ctx) -> dict:
     for f in FIELDS:
         out["repeats"].append(all(bool((bits(r[f]) == bits(runs[0][f])).all()) for r in runs[1:]))
 
+    # A bad value on one DP rank (a NaN old log-prob): every rank raises, at the same call, and the next call runs.
+    # The Triton kernels (CUDA) defer the check to `pending.AHEAD` calls later; the torch ones raise in the call.
+    nan_old = inp["old_logps"].clone()
+    nan_old[tuple(inp["completion_mask"].nonzero()[0].tolist())] = float("nan")
+    c = contract_for(case, lay, p.tp_rank, p.dp_rank)
+    out["deferred"] = None
+    for call in range(1 + pending.AHEAD):
+        msg = _expect_error(lambda: run_local(inp, c, dev, p.tp_group, p.dp_group,
+                                              **({"old_logps": nan_old} if call == 0 else {})))
+        if msg != "NO ERROR":
+            out["deferred"] = (call, msg, torch.device(dev).type)
+            break
+    run_local(inp, c, dev, p.tp_group, p.dp_group)
+
     # Preflight: every rank raises, none hangs.
     def bad_run(**over):
         contract_over = {k: v for k, v in over.items() if k in ("beta", "normalizer", "normalizer_constant")}
@@ -264,6 +278,14 @@ def test_cuda_ranks_cap_their_memory(world):
 def test_run_to_run_repeats_identical(world):
     for res in world[:4]:  # the ranks of tp2 x dp2
         assert len(res["repeats"]) == len(FIELDS) and all(res["repeats"]), res["repeats"]
+
+
+def test_a_bad_value_raises_on_every_rank_at_the_same_call(world):
+    got = [res["deferred"] for res in world[:4]]  # the ranks of tp2 x dp2
+    assert all(g is not None for g in got), got
+    assert {g[0] for g in got} == {pending.AHEAD if got[0][2] == "cuda" else 0}, got
+    # the rank pair that holds it names it (the preflight of the torch kernels tells every rank)
+    assert sum("old_logps: expected finite values at active tokens" in g[1] for g in got) >= 2, got
 
 
 @pytest.mark.parametrize("check,needles", [

@@ -119,8 +119,8 @@ class DistributedGRPOLossOp:
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
               check_values: str = "deferred", advantages: torch.Tensor | None = None) -> GRPOLossResult:
         """`check_values` (the Triton kernels; the torch ones check in the call): "deferred" checks the values
-        without a device sync and raises at the next call or at `grpo_core.raise_pending()`, "sync" in this call
-        (`pending.py`)."""
+        without a device sync and raises at a later call (at the latest `pending.AHEAD` calls later) or at
+        `grpo_core.raise_pending()`, "sync" in this call (`pending.py`)."""
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
         pending.poll()
@@ -215,7 +215,7 @@ class DistributedGRPOLossOp:
         if triton_runs:
             scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
             loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
-            # every rank holds the gathered flags: all raise together, at their next call
+            # every rank holds the gathered flags: all raise together, at the same later call
             self._defer(flag, flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
                         old_logps, rewards, advantages, completion_mask, logp, logp_ref)
         else:
@@ -279,7 +279,9 @@ class DistributedGRPOLossOp:
         if check_values == "sync":
             pending.raise_now(flags, recheck)
         else:
-            pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)")
+            s = contract.sharding
+            pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)",
+                          collective=s.tp_world_size * s.dp_world_size > 1)
 
     @staticmethod
     def _triton_forward(x, ref, action_ids, old, completion_mask, mask, adv, rewards, vocab, lp, tp_group, clip_lo,
