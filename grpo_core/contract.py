@@ -88,11 +88,15 @@ class DeterminismScope(str, enum.Enum):
 
 
 def check_enum(cls: type[enum.Enum], name: str, value: Any) -> enum.Enum:
-    try:
-        return cls(value)
-    except ValueError:
+    """A member of `cls`, given as itself or as its value (a lookup, not `cls(value)`, which torch.compile cannot
+    trace)."""
+    if isinstance(value, cls):
+        return value
+    member = cls._value2member_map_.get(value) if isinstance(value, str) else None
+    if member is None:
         allowed = ", ".join(repr(m.value) for m in cls)
-        raise LossContractError(f"{name}: expected one of {allowed}, got {value!r}") from None
+        raise LossContractError(f"{name}: expected one of {allowed}, got {value!r}")
+    return member
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> int:
