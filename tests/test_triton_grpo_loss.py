@@ -415,7 +415,7 @@ class TestCompiledOnGPU:
     def test_torch_compile_fullgraph_and_opcheck(self):
         from grpo_core.triton.grpo_loss import TritonGRPOLossOp
         from grpo_core.triton.ratio_kl import token_logprobs
-        inp = make_inputs(4, 8, 1000, seed=2, device="cuda", empty_rows=(1,))
+        inp = make_inputs(6, 8, 1000, seed=2, device="cuda", empty_rows=(1,))  # the MIGRATION cases' 6 sequences
         op = TritonGRPOLossOp()
         for name, single in ((None, True), (None, False), ("token_tempered_grpo", False), ("unbiased_eps", True),
                              ("sequence_tempered_dr_grpo", True)):
