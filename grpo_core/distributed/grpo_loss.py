@@ -12,9 +12,9 @@ extra memory is one gradient in the logits' dtype plus `O(tokens * vocab / tile_
 
 A temperature multiplies the fp32 logits by `inv = fp32(1 / temperature)` (one multiply per element, policy and
 reference) before the tiles; the gradient is `((coef * grad_output) * inv) * (onehot - softmax(z))`. At 1.0 nothing
-is multiplied (the bits of the default math). The Triton kernels and the torch ones compute the same operations
-for every option (temperature and given advantages in the kernels; loss types, the std and the metrics on the
-small per-sequence vectors, with the torch code of `canonical.py` either way).
+is multiplied (the bits of the default math). The Triton kernels (`triton/canonical.py`) and the torch ones compute
+the same operations for every option, the advantages, the loss types, the std and the metrics included: on CUDA
+the Triton path launches six kernels and a few small torch ops, with no device sync.
 """
 
 from __future__ import annotations
@@ -268,9 +268,8 @@ class DistributedGRPOLossOp:
 
         def recheck() -> None:
             mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=contract.beta,
-                                vocab_size=contract.vocab_size,
-                                num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=kept[4],
-                                advantages_input=contract.advantages_input)
+                                vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo, rewards_required=True,
+                                advantages=kept[4], advantages_input=contract.advantages_input)
             check_logprobs(logp, logp_ref, mask)
             seqs = flags.nonzero().flatten()[:8].tolist()
             raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage "
@@ -286,7 +285,7 @@ class DistributedGRPOLossOp:
     @staticmethod
     def _triton_forward(x, ref, action_ids, old, completion_mask, mask, adv, rewards, vocab, lp, tp_group, clip_lo,
                         clip_hi, inv):
-        """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [3, n], ints [n, 3])`
+        """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [3, n], ints [3, n])`
         (`kernels.sequence_sums`)."""
         from ..triton import canonical as kernels
         n, T = mask.shape
