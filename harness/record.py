@@ -248,7 +248,8 @@ def check_rows(df: pd.DataFrame, where: str) -> None:
                                    f"{sorted(df.loc[unknown, 'field'].unique())}")
     dup = df.duplicated(KEY, keep="first")
     if dup.any():
-        raise TableError("unique keys", f"{where}: a (scenario, topology, field, index) key appears twice ({first(dup)})")
+        raise TableError("unique keys",
+                         f"{where}: a (scenario, topology, field, index) key appears twice ({first(dup)})")
     fps = df.groupby(["scenario", "topology"])["fingerprint"].transform("nunique")
     if (fps > 1).any():
         raise TableError("fingerprint", f"{where}: one cell carries several contract fingerprints ({first(fps > 1)})")

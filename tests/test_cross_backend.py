@@ -99,7 +99,8 @@ def run_all(inp: dict, opts: dict) -> dict[str, tuple | str]:
     def contract() -> GRPOLossContract:
         kind = "rewards" if given is None else ("token" if given.dim() == 2 else "sequence")
         return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, advantages_input=kind,
-                                determinism_scope="topology_invariant", **{k: v for k, v in opts.items() if v is not None})
+                                determinism_scope="topology_invariant",
+                                **{k: v for k, v in opts.items() if v is not None})
 
     calls = {
         "native": lambda call: tuple(native(**call, **opts)),

@@ -13,8 +13,10 @@ extra memory is one gradient in the logits' dtype plus `O(tokens * vocab / tile_
 A temperature multiplies the fp32 logits by `inv = fp32(1 / temperature)` (one multiply per element, policy and
 reference) before the tiles; the gradient is `((coef * grad_output) * inv) * (onehot - softmax(z))`. At 1.0 nothing
 is multiplied (the bits of the default math). The Triton kernels (`triton/canonical.py`) and the torch ones compute
-the same operations for every option, the advantages, the loss types, the std and the metrics included: on CUDA
-the Triton path launches six kernels and a few small torch ops, with no device sync.
+the same operations for every option, the advantages, the loss types, the std and the metrics included. At 1x1
+on CUDA the Triton forward launches five kernels (four with given advantages) and a few small torch ops, with no
+device sync, and the backward one kernel; at TP > 1 the preflight's digest and the gather of the statistics
+synchronize.
 """
 
 from __future__ import annotations
@@ -263,7 +265,8 @@ class DistributedGRPOLossOp:
         """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`) to `pending` with this rank's inputs;
         the precise error comes from the rank that holds the bad value, the others name the sequences."""
         seq_lo, seq_hi = contract.sharding.sequence_bounds
-        kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
+        kept = [None if t is None else t.detach()
+                for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
         logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
 
         def recheck() -> None:

@@ -322,10 +322,10 @@ class TritonGRPOLossOp:
     raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
     the GPU); the error, naming this call, is raised at the start of a later call of a grpo_core GPU op (at the
     latest `pending.AHEAD` calls later) or by `grpo_core.raise_pending()`, and this call's numbers must not be
-    used. "sync": one device sync, raised by
-    this call. "assert": a device-side assert, which surfaces as a CUDA error at the next sync and leaves the
-    CUDA context unusable, like an out-of-range target in `torch.nn.functional.cross_entropy` (and the only
-    choice inside a compiled graph). The kernels never read out of bounds.
+    used. "sync": one device sync, raised by this call. "assert": a device-side assert, which surfaces as a CUDA
+    error at the next sync and leaves the CUDA context unusable, like an out-of-range target in
+    `torch.nn.functional.cross_entropy` (and the only choice inside a compiled graph). The kernels never read out
+    of bounds.
     """
 
     backend = "triton"

@@ -385,9 +385,9 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
     """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward, given advantage or old log-prob
     is bad or a log-prob is not finite) into the native op's `LossContractError`, by `check_values`:
     "deferred" (default): no device sync here; the error surfaces at a later call of an op that defers its checks
-    (at the latest `pending.AHEAD` calls later), or at `grpo_core.raise_pending()` (`pending.py`); "sync": one device sync, raised by this call; "assert": a
-    device-side assert (it ends the process's CUDA context), also the only choice inside a compiled graph. The
-    kernels never read out of bounds: flagged tokens are skipped."""
+    (at the latest `pending.AHEAD` calls later), or at `grpo_core.raise_pending()` (`pending.py`); "sync": one
+    device sync, raised by this call; "assert": a device-side assert (it ends the process's CUDA context), also
+    the only choice inside a compiled graph. The kernels never read out of bounds: flagged tokens are skipped."""
     if check_values not in CHECKS:
         raise LossContractError(f"check_values: expected one of {CHECKS}, got {check_values!r}")
     if check_values == "assert" or torch.compiler.is_compiling():
