@@ -2,7 +2,8 @@
 
 Every function here repeats one of `canonical.py` with the same IEEE operations in the same order, so the
 kernels give the torch reference's bits, hence the golden's, on every GPU and under the interpreter. What
-makes that hold: kernels compile with `enable_fp_fusion=False` (no FMA), divide with `div_rn`, never call the
+makes that hold: kernels compile with `enable_fp_fusion=False` (an FMA only where `tl.fma` is written, as
+`canonical.fma` is), divide with `div_rn`, never call the
 GPU's approximate exp / log, propagate NaN through max / min like torch, and build every sum as the same tree
 of adjacent pairs (`tl.split` of a trailing dimension of two: one add, the only possible order).
 
@@ -70,13 +71,29 @@ def _min(a, b):
 
 
 @triton.jit
+def _fma(a, b, c):
+    """`canonical.fma`: `a * b + c` rounded once. The interpreter computes it the way `canonical.fma` does (some
+    Triton versions' interpreters round the product and the sum apart)."""
+    if _INTERPRET:
+        p = a.to(tl.float64) * b
+        c = c + tl.zeros_like(p)
+        s = p + c
+        t = s - p
+        err = (p - (s - t)) + (c - t)  # p + c == s + err exactly
+        bits = s.to(tl.int64, bitcast=True)
+        bits = tl.where((err != 0) & ((bits & 1) == 0), bits + tl.where((err > 0) == (s > 0), 1, -1), bits)
+        return bits.to(tl.float64, bitcast=True).to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
 def _poly(xc):
     """`p = exp(r)` of the reduced argument and `n`, as in `canonical.exp`."""
-    n = (xc * _LOG2E + _ROUND) - _ROUND
-    r = (xc - n * _LN2_HI) - n * _LN2_LO
-    q = (r * _Q4 + _Q3) * r + _Q2
-    q = (q * r + _Q1) * r + _Q0
-    return (q * (r * r) + r) + 1.0, n.to(tl.int32)
+    n = _fma(xc, _LOG2E, _ROUND) - _ROUND
+    r = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, xc))
+    q = _fma(_fma(_fma(_fma(r, _Q4, _Q3), r, _Q2), r, _Q1), r, _Q0)
+    return _fma(_fma(q, r, 1.0), r, 1.0), n.to(tl.int32)
 
 
 @triton.jit
@@ -95,11 +112,11 @@ def exp(x):
 
 @triton.jit
 def exp_nonpos(x):
-    """`canonical.exp` for `x <= 0` (or NaN), the same bits with one scaling: 2**k is exact down to k = -126,
-    and below it both give 0 after the flush."""
+    """`canonical.exp` for `x <= 0` (or NaN), the same bits with an integer add: `p * 2**k` is exact while it is
+    normal, and where its exponent field would drop to 0 or below both give 0 after the flush."""
     p, k = _poly(_max(x, _EXP_MIN))
-    p = p * (tl.maximum(k + 127, 0) << 23).to(tl.float32, bitcast=True)
-    return tl.where(p < _TINY, 0.0, p)
+    bits = p.to(tl.int32, bitcast=True) + (k << 23)
+    return tl.where(bits < 0x800000, 0.0, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -148,7 +165,7 @@ def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.
     x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     if SCALE:
         x = x * inv
-    m = tl.max(x, 1)  # exact in any order; a row with a NaN has a NaN sum whatever its max, and raises
+    m = tl.reduce(x, 1, _max)  # exact in any order; NaN if the tile holds one (then the row raises)
     m = tl.where(m == 0.0, 0.0, m)
     e = exp_nonpos(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
     for k in tl.static_range(LOG2W):
