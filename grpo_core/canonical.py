@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .contract import AdvantageStd, TokenNormalizer
+from .contract import FP32_MAX, AdvantageStd, TokenNormalizer
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
 TINY = float.fromhex("0x1p-126")  # the smallest normal fp32
@@ -115,8 +115,8 @@ def log(x: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded sqrt of finite fp32 `x >= 0` (subnormals count as 0): Newton steps for a first guess,
-    then an exact integer test that moves the 24-bit significand to the nearest one."""
+    """Correctly rounded sqrt of fp32 `x >= 0` (subnormals count as 0, inf and NaN stay): Newton steps for a first
+    guess, then an exact integer test that moves the 24-bit significand to the nearest one."""
     x = torch.where(x < TINY, 0.0, x)
     y = ((x.view(I32) >> 1) + 0x1FBD1DF5).view(F32)  # within a few percent
     for _ in range(3):
@@ -131,7 +131,7 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
     for _ in range(2):  # the nearest integer Y to sqrt(M) satisfies (2Y - 1)**2 < 4M < (2Y + 1)**2
         sig = sig + ((2 * sig + 1) ** 2 <= four_m).to(I64)
         sig = sig - ((2 * sig - 1) ** 2 >= four_m).to(I64)
-    return torch.where(x == 0, 0.0, sig.to(F32) * _pow2(q.to(I32)))
+    return torch.where(x == 0, 0.0, torch.where(x <= FP32_MAX, sig.to(F32) * _pow2(q.to(I32)), x))
 
 
 def pair_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -196,7 +196,8 @@ def _group_layout(group_boundaries: tuple[int, ...], device: torch.device) -> tu
 
 def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
     """`(r - mean_g) / max(std_g, fp32(1e-6))` (or `r - mean_g` without std) per CSR group; fp32 `[S]`. Under
-    'unbiased_eps' (TRL's): `(r - mean_g) / (sqrt(var_g) + fp32(1e-4))` with the Bessel variance, not clamped.
+    'unbiased_eps' (TRL's): `(r - mean_g) / (sqrt(var_g) + fp32(1e-4))` with the Bessel variance, not clamped. A
+    group whose sum or variance overflows fp32 (|r| beyond about 1e19) gets non-finite advantages.
 
     The groups are laid out as a zero-padded `[G, max_group]` grid and reduced with `pair_sum`, so every rank
     that holds the gathered rewards computes the same bits, on any device."""
@@ -209,6 +210,7 @@ def group_advantages(rewards: torch.Tensor, group_boundaries: tuple[int, ...], s
         return centered
     dev = torch.where(valid, grid - mean[:, None], 0.0)
     var = pair_sum(dev * dev) / (n if std is AdvantageStd.POPULATION else n - 1.0)
+    var = torch.where(var <= FP32_MAX, var, float("nan"))  # an overflow makes the group's advantages NaN, not 0
     if std is AdvantageStd.UNBIASED_EPS:
         return centered / (sqrt(var) + fp32(STD_EPS, r))[group_of]
     return centered / torch.maximum(sqrt(var), fp32(STD_FLOOR, r))[group_of]

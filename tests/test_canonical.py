@@ -51,6 +51,8 @@ def test_sqrt_is_correctly_rounded():
                    torch.arange(1, 4097, dtype=torch.float32) ** 2, torch.tensor([canonical.TINY, FLT_MAX, 2.0])])
     assert_bitwise_equal(canonical.sqrt(x), torch.from_numpy(np.sqrt(x.numpy())), "sqrt vs IEEE sqrt")
     assert canonical.sqrt(torch.tensor([0.0, 1e-45, 1e-39])).tolist() == [0.0, 0.0, 0.0]  # subnormals flush to 0
+    edges = canonical.sqrt(torch.tensor([float("inf"), float("nan")]))  # as the GPU's sqrt_rn
+    assert edges[0] == float("inf") and torch.isnan(edges[1])
 
 
 def test_edges():

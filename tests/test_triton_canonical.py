@@ -122,6 +122,23 @@ def test_non_finite_logits_raise_like_the_reference():
         "checked after it returned): " + messages[0])
 
 
+@pytest.mark.parametrize("scale", [1e20, 3e38])
+def test_overflowing_rewards_raise_like_the_reference(scale):
+    """Finite rewards whose group variance (1e20) or sum (3e38) overflows fp32 give non-finite advantages, which
+    both kernels refuse with the same words (not a loss computed from advantages of 0 or NaN)."""
+    inp = make_inputs(4, 3, 50, seed=3)
+    inp["rewards"][2:4] = torch.tensor([scale, scale / 2])  # the second group of two
+    c = contract(50, 4, 3)
+    messages = []
+    for k in ("torch", "triton"):
+        with pytest.raises(Exception) as info:
+            run(DistributedGRPOLossOp(kernels=k), inp, c)
+            raise_pending()
+        messages.append(str(info.value))
+    assert messages[0].startswith("rewards: the advantages of sequences [2, 3] are not finite"), messages[0]
+    assert messages[1].endswith("checked after it returned): " + messages[0]), messages[1]
+
+
 LAYOUTS = [Layout(2, 1), Layout(4, 1), Layout(1, 2), Layout(2, 2)]
 
 

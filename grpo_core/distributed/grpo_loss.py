@@ -51,6 +51,18 @@ def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: 
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
+def check_derived_advantages(advantages: torch.Tensor, rewards: torch.Tensor) -> None:
+    """Raises where the advantages computed from the whole batch's `rewards` are not finite: the rewards are finite
+    (checked before), so their group's sum or variance overflowed fp32."""
+    bad = ~torch.isfinite(advantages)
+    if bool(bad.any()):
+        seqs = bad.nonzero().flatten()
+        raise LossContractError(
+            f"rewards: the advantages of sequences {seqs[:8].tolist()} are not finite: the sum or the variance of "
+            f"their group's rewards overflows float32 (|reward| up to {float(rewards[seqs].abs().max()):.3g}); "
+            f"scale the rewards down")
+
+
 class _Loss(torch.autograd.Function):
     """Forward: the loss computed outside autograd. Backward: `grad_output * coef * (onehot - softmax)` on this
     rank's active rows, zeros elsewhere; no communication (every rank holds the replicated loss)."""
@@ -170,7 +182,7 @@ class DistributedGRPOLossOp:
         old = old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
         if triton_runs:
             from ..triton import canonical as kernels
-        rewards_kernels = None  # what the Triton kernels check
+        rewards_kernels = rewards_all = None  # what the Triton kernels check
         if contract.advantages_input is AdvantagesInput.REWARDS:
             rewards_kernels = rewards.detach().to(torch.float32)
             rewards_all = gather_sequences(rewards_kernels, contract, dp_group)
@@ -219,10 +231,13 @@ class DistributedGRPOLossOp:
             loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
             # every rank holds the gathered flags: all raise together, at the same later call
             self._defer(flag, flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
-                        old_logps, rewards, advantages, completion_mask, logp, logp_ref)
+                        old_logps, rewards, advantages, completion_mask, logp, logp_ref,
+                        None if rewards_all is None else (advantages_all, rewards_all))
         else:
             if bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
                 check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
+            if rewards_all is not None:  # every rank holds them: all raise together
+                check_derived_advantages(advantages_all, rewards_all)
             loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                       contract.normalizer, contract.normalizer_value)
             clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped,
@@ -261,9 +276,10 @@ class DistributedGRPOLossOp:
 
     @staticmethod
     def _defer(flag, flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
-               completion_mask, logp, logp_ref) -> None:
+               completion_mask, logp, logp_ref, derived) -> None:
         """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`) to `pending` with this rank's inputs;
-        the precise error comes from the rank that holds the bad value, the others name the sequences."""
+        the precise error comes from the rank that holds the bad value, the others name the sequences. `derived`:
+        the whole batch's `(advantages, rewards)` when the advantages come from the rewards."""
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         kept = [None if t is None else t.detach()
                 for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
@@ -274,6 +290,8 @@ class DistributedGRPOLossOp:
                                 vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo, rewards_required=True,
                                 advantages=kept[4], advantages_input=contract.advantages_input)
             check_logprobs(logp, logp_ref, mask)
+            if derived is not None:
+                check_derived_advantages(*derived)
             seqs = flags.nonzero().flatten()[:8].tolist()
             raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage "
                                     f"or old log-prob, or a non-finite log-prob) on another rank, which names it")

@@ -33,6 +33,8 @@ import triton.language as tl
 
 from .. import canonical as C
 from ..contract import AdvantageStd, TokenNormalizer
+from .group_norm import MODES, group_tensors
+from .grpo_loss import _finish_options
 from .launch import pick, twins
 
 # Settings from one H200 sweep (benchmarks/README.md, 2026-11-30), bf16 32x256x32768 / 16x1024x151936: the row kernel
@@ -54,7 +56,7 @@ _Q0, _Q1, _Q2 = tl.constexpr(C.EXP_Q[0]), tl.constexpr(C.EXP_Q[1]), tl.constexpr
 _Q3, _Q4 = tl.constexpr(C.EXP_Q[3]), tl.constexpr(C.EXP_Q[4])
 _L0, _L1, _L2 = tl.constexpr(C.LOG_Q[0]), tl.constexpr(C.LOG_Q[1]), tl.constexpr(C.LOG_Q[2])
 _EXP_MIN, _EXP_MAX, _TINY = tl.constexpr(C.EXP_MIN), tl.constexpr(C.EXP_MAX), tl.constexpr(C.TINY)
-_SQRT_HALF_BITS = tl.constexpr(C.SQRT_HALF_BITS)
+_SQRT_HALF_BITS, _FP32_MAX = tl.constexpr(C.SQRT_HALF_BITS), tl.constexpr(C.FP32_MAX)
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # The interpreter truncates fp32 -> bf16 (the GPU and torch round to nearest even): round with integer ops there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -205,6 +207,7 @@ def _row_kernel(
     sel_ptr,  # out: fp32 [2, N] = the selected logit of the policy and the reference rows (0.0 where not owned)
     stats_ptr,  # out: fp32 [2 (policy, ref), 2 (max, sumexp), N, tiles] per-tile statistics (active rows only)
     N, V, stride_x, stride_r, lo, tiles,
+    plane,  # N * tiles, the statistics of one (tensor, max / sum) (an int64 argument from 2**31 on)
     inv,  # the inverse temperature, fp32 (SCALE)
     # Meta-parameters
     SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
@@ -218,9 +221,9 @@ def _row_kernel(
     if tl.load(mask_ptr + row) != 0:
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         if which == 0:
-            z = _row(x_ptr + row * stride_x, a, stats_ptr + row * tiles, N * tiles, V, tiles, inv, SCALE, W, LOG2W, NT)
+            z = _row(x_ptr + row * stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT)
         else:
-            z = _row(r_ptr + row * stride_r, a, stats_ptr + (2 * N + row) * tiles, N * tiles, V, tiles, inv, SCALE, W,
+            z = _row(r_ptr + row * stride_r, a, stats_ptr + 2 * plane + row * tiles, plane, V, tiles, inv, SCALE, W,
                      LOG2W, NT)
     tl.store(sel_ptr + which * N + row, z)
 
@@ -231,13 +234,14 @@ def _merge_kernel(
     mask_ptr,  # completion mask [N]
     lse_ptr,  # out: fp32 [K, N] (0.0 on masked rows)
     N, tiles,
+    plane,  # N * tiles
     # Meta-parameters
     ROWS: tl.constexpr,  # rows per program
     BT: tl.constexpr, LOG2BT: tl.constexpr,  # tiles per loop iteration (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # loop iterations, padded to a power of two
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    m_ptr = stats_ptr + tl.program_id(1).to(tl.int64) * 2 * N * tiles
+    m_ptr = stats_ptr + tl.program_id(1).to(tl.int64) * 2 * plane
     active = tl.load(mask_ptr + rows, mask=rows < N, other=0) != 0
     chunk = tl.arange(0, CHUNKS)[None, :]
     ms = tl.full((ROWS, CHUNKS), float("-inf"), tl.float32)
@@ -247,7 +251,7 @@ def _merge_kernel(
         at = rows[:, None] * tiles + t[None, :]
         read = active[:, None] & (t < tiles)[None, :]
         m, s = _merge(tl.load(m_ptr + at, mask=read, other=float("-inf")),
-                      tl.load(m_ptr + N * tiles + at, mask=read, other=0.0), ROWS, BT, LOG2BT)
+                      tl.load(m_ptr + plane + at, mask=read, other=0.0), ROWS, BT, LOG2BT)
         ms = tl.where(chunk == c, m[:, None], ms)
         ss = tl.where(chunk == c, s[:, None], ss)
     m, s = _merge(ms, ss, ROWS, CHUNKS, LOG2C)
@@ -281,13 +285,14 @@ def _sequence_kernel(
     # Meta-parameters
     HAS_REF: tl.constexpr,
     TOKEN_ADV: tl.constexpr,  # an advantage per token
-    REWARDS: tl.constexpr,  # flag non-finite rewards
+    REWARDS: tl.constexpr,  # the advantages come from the rewards: flag a non-finite reward or advantage
     CHECK_MASK: tl.constexpr,  # the mask is not bool: flag active values other than 1
     BLOCK: tl.constexpr, LOG2B: tl.constexpr,  # tokens per chunk (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks, padded to a power of two
 ):
     """The bad-value flag is set where an active token has an id outside `[0, vocab)`, a mask value other than 1,
-    a non-finite old log-prob, advantage or log-prob (policy or reference), or where the reward is not finite."""
+    a non-finite old log-prob, advantage or log-prob (policy or reference), or where the reward or the advantage
+    derived from the rewards is not finite."""
     b = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32)
     idx = tl.arange(0, CHUNKS)
@@ -325,7 +330,8 @@ def _sequence_kernel(
     tl.store(out_ptr + 2 * B + b, _pair_sum(rat, CHUNKS, LOG2C))
     flag = tl.max(bad, 0)
     if REWARDS:
-        flag = tl.maximum(flag, (~(tl.abs(tl.load(r_ptr + b)) < float("inf"))).to(tl.int32))
+        finite = (tl.abs(tl.load(r_ptr + b)) < float("inf")) & (tl.abs(tl.load(adv_ptr + b)) < float("inf"))
+        flag = tl.maximum(flag, (~finite).to(tl.int32))
     tl.store(ints_ptr + b, tl.sum(count, 0).to(tl.int64))
     tl.store(ints_ptr + B + b, flag.to(tl.int64))
     tl.store(ints_ptr + 2 * B + b, tl.sum(clipped, 0).to(tl.int64))
@@ -353,6 +359,7 @@ def _advantages_kernel(
     if STD != 2:
         dev = tl.where(valid, centered, 0.0)
         var = tl.math.div_rn(_pair_sum(dev * dev, P2, LOG2P), n if STD == 0 else n - 1.0)
+        var = tl.where(var <= _FP32_MAX, var, float("nan"))
         sd = tl.where(var < _TINY, 0.0, tl.math.sqrt_rn(var))  # `canonical.sqrt`: correctly rounded
         centered = tl.math.div_rn(centered, sd + eps if STD == 3 else _max(sd, floor))
     tl.store(adv_ptr + lo + i, centered, mask=valid)
@@ -364,11 +371,11 @@ def _finish_kernel(
     ints_ptr,  # int64 [3, S]: active tokens, bad-value flag, clipped tokens
     out_ptr,  # out: fp32 [6] = loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean
     w_ptr,  # out: fp32 [S] token weights (`canonical.token_weights`)
-    flag_ptr,  # out: int64 [1] = the largest flag
-    S, beta, constant,
+    flag_ptr,  # out: int64 0-d = the largest flag
+    S, beta, constant,  # constant: the denominator when DENOM == "constant"
     # Meta-parameters
-    NORM: tl.constexpr,  # 0 global_active_tokens, 1 per_sequence_then_mean, 2 the per-sequence means / `constant`,
-    # 3 the sums / `constant`
+    MEANS: tl.constexpr,  # each sequence's token sums are divided by its active tokens first (0 when it has none)
+    DENOM: tl.constexpr,  # "tokens" (the batch's active tokens), "sequences" (those with one) or "constant"
     BLOCK: tl.constexpr, LOG2B: tl.constexpr,  # sequences per chunk (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks, padded to a power of two
 ):
@@ -396,7 +403,7 @@ def _finish_kernel(
         kl_sums = tl.where(idx == c, _pair_sum(k, BLOCK, LOG2B), kl_sums)
         ratios = tl.where(idx == c, _pair_sum(tl.load(sums_ptr + 2 * S + i, mask=inside, other=0.0), BLOCK, LOG2B),
                           ratios)
-        if NORM == 1 or NORM == 2:  # the per-sequence means
+        if MEANS:
             d = tl.maximum(n, 1).to(tl.float32)
             p = tl.where(n > 0, tl.math.div_rn(p, d), 0.0)
             k = tl.where(n > 0, tl.math.div_rn(k, d), 0.0)
@@ -404,7 +411,7 @@ def _finish_kernel(
         kls = tl.where(idx == c, _pair_sum(k, BLOCK, LOG2B), kls)
     n_tokens = tl.maximum(tl.sum(tokens, 0), 1).to(tl.float32)
     n_seqs = tl.maximum(tl.sum(seqs, 0), 1).to(tl.float32)
-    denom = n_tokens if NORM == 0 else (n_seqs if NORM == 1 else constant)
+    denom = n_tokens if DENOM == "tokens" else (n_seqs if DENOM == "sequences" else constant)
     policy = tl.math.div_rn(_pair_sum(pol, CHUNKS, LOG2C), denom)
     kl = tl.math.div_rn(_pair_sum(kls, CHUNKS, LOG2C), denom)
     tl.store(out_ptr, policy + beta * kl)
@@ -418,13 +425,10 @@ def _finish_kernel(
         i = c * BLOCK + tl.arange(0, BLOCK)
         n = tl.load(ints_ptr + i, mask=i < S, other=0)
         one = tl.full((BLOCK,), 1.0, tl.float32)
-        if NORM == 0:
-            w = tl.math.div_rn(one, n_tokens)
-        elif NORM == 3:
-            w = tl.math.div_rn(one, constant)
+        if MEANS:
+            w = tl.where(n > 0, tl.math.div_rn(one, tl.maximum(n, 1).to(tl.float32) * denom), 0.0)
         else:
-            w = tl.where(n > 0, tl.math.div_rn(one, tl.maximum(n, 1).to(tl.float32) * (n_seqs if NORM == 1 else
-                                                                                       constant)), 0.0)
+            w = tl.math.div_rn(one, denom)
         tl.store(w_ptr + i, w, mask=i < S)
 
 
@@ -520,8 +524,8 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
     if N:
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
-            r.stride(0), lo, tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width), NT=max(1, CHUNK // width),
-            **_fp(ROW_WARPS))
+            r.stride(0), lo, tiles, N * tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width),
+            NT=max(1, CHUNK // width), **_fp(ROW_WARPS))
     return sel, stats
 
 
@@ -535,7 +539,7 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     chunks = triton.next_power_of_2(-(-tiles // bt))
     if N and K:
         _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, N, tiles,
-                                                 ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks,
+                                                 N * tiles, ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks,
                                                  LOG2C=_log2(chunks), **_fp())
     return lse
 
@@ -562,27 +566,17 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
 
 
 @functools.lru_cache(maxsize=64)
-def _group_bounds(groups: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
-    """The CSR offsets on `device` and the largest group, padded to a power of two (cached: no host copy)."""
-    return torch.tensor(groups, dtype=torch.int64, device=device), triton.next_power_of_2(
-        max(hi - lo for lo, hi in zip(groups, groups[1:])))
-
-
-_STD = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2, AdvantageStd.UNBIASED_EPS: 3}
+def _largest_group(groups: tuple[int, ...]) -> int:
+    return triton.next_power_of_2(max(hi - lo for lo, hi in zip(groups, groups[1:])))
 
 
 def group_advantages(rewards: torch.Tensor, groups: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
     """`canonical.group_advantages` of fp32 `rewards` `[S]` in CSR `groups`."""
-    bounds, p2 = _group_bounds(tuple(groups), rewards.device)
+    bounds, p2 = group_tensors(tuple(groups), rewards.device)[0], _largest_group(tuple(groups))
     adv = torch.empty_like(rewards)
-    _advantages_kernel[(len(groups) - 1,)](rewards.contiguous(), bounds, adv, C.STD_FLOOR, C.STD_EPS, STD=_STD[std],
+    _advantages_kernel[(len(groups) - 1,)](rewards.contiguous(), bounds, adv, C.STD_FLOOR, C.STD_EPS, STD=MODES[std],
                                            P2=p2, LOG2P=_log2(p2), **_fp())
     return adv
-
-
-_NORM = {TokenNormalizer.GLOBAL_ACTIVE_TOKENS: 0, TokenNormalizer.PER_SEQUENCE_THEN_MEAN: 1,
-         TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN: 2, TokenNormalizer.FIXED_CONSTANT: 3,
-         TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH: 3}
 
 
 def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: TokenNormalizer,
@@ -591,17 +585,14 @@ def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: Toke
     `(scalars [6] = loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean, token weights [S], the
     largest flag (0-d int64))`, the bits of `canonical.combine`, `batch_metrics` and `token_weights`."""
     S = sums.shape[1]
-    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN:
-        constant = float(S)
-    elif normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
-        constant = float(S * int(constant))
+    means, denom, constant = _finish_options(normalizer, constant, S)
     out = torch.empty(6, dtype=torch.float32, device=sums.device)
     w = torch.empty(S, dtype=torch.float32, device=sums.device)
     flag = torch.empty((), dtype=torch.int64, device=sums.device)
     block = min(BLOCK_S, triton.next_power_of_2(max(S, 1)))
     chunks = triton.next_power_of_2(max(1, -(-S // block)))
-    _finish_kernel[(1,)](sums.contiguous(), ints.contiguous(), out, w, flag, S, beta, constant or 1.0,
-                         NORM=_NORM[normalizer], BLOCK=block, LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks),
+    _finish_kernel[(1,)](sums.contiguous(), ints.contiguous(), out, w, flag, S, beta, constant, MEANS=means,
+                         DENOM=denom, BLOCK=block, LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks),
                          **_fp())
     return out, w, flag
 
