@@ -137,7 +137,7 @@ class DistributedGRPOLossOp:
         `grpo_core.raise_pending()`, "sync" in this call (`pending.py`)."""
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
-        pending.poll()
+        pending.poll((tp_group, dp_group))  # this op's collective checks: every rank raises at the same call
         triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
                    "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
@@ -145,6 +145,7 @@ class DistributedGRPOLossOp:
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
             nonlocal triton_runs
+            pending.poll()  # this process's local checks: what one rank raises here, every rank raises
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
@@ -232,7 +233,7 @@ class DistributedGRPOLossOp:
             # every rank holds the gathered flags: all raise together, at the same later call
             self._defer(flag, flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
                         old_logps, rewards, advantages, completion_mask, logp, logp_ref,
-                        None if rewards_all is None else (advantages_all, rewards_all))
+                        None if rewards_all is None else (advantages_all, rewards_all), (tp_group, dp_group))
         else:
             if bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
                 check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
@@ -276,10 +277,11 @@ class DistributedGRPOLossOp:
 
     @staticmethod
     def _defer(flag, flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
-               completion_mask, logp, logp_ref, derived) -> None:
+               completion_mask, logp, logp_ref, derived, groups) -> None:
         """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`) to `pending` with this rank's inputs;
         the precise error comes from the rank that holds the bad value, the others name the sequences. `derived`:
-        the whole batch's `(advantages, rewards)` when the advantages come from the rewards."""
+        the whole batch's `(advantages, rewards)` when the advantages come from the rewards; `groups`: `(tp_group,
+        dp_group)`, the key of a world call's deferred checks."""
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         kept = [None if t is None else t.detach()
                 for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
@@ -301,7 +303,7 @@ class DistributedGRPOLossOp:
         else:
             s = contract.sharding
             pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)",
-                          collective=s.tp_world_size * s.dp_world_size > 1)
+                          group=groups if s.tp_world_size * s.dp_world_size > 1 else None)
 
     @staticmethod
     def _triton_forward(x, ref, action_ids, old, completion_mask, mask, adv, rewards, vocab, lp, tp_group, clip_lo,
