@@ -60,6 +60,7 @@ _SQRT_HALF_BITS, _FP32_MAX = tl.constexpr(C.SQRT_HALF_BITS), tl.constexpr(C.FP32
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # The interpreter truncates fp32 -> bf16 (the GPU and torch round to nearest even): round with integer ops there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_EMULATE_FMA = tl.constexpr(_INTERPRET)  # see `_fma`
 
 
 @triton.jit
@@ -76,7 +77,7 @@ def _min(a, b):
 def _fma(a, b, c):
     """`canonical.fma`: `a * b + c` rounded once. The interpreter computes it the way `canonical.fma` does (some
     Triton versions' interpreters round the product and the sum apart)."""
-    if _INTERPRET:
+    if _EMULATE_FMA:
         p = a.to(tl.float64) * b
         c = c + tl.zeros_like(p)
         s = p + c
