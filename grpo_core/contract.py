@@ -41,7 +41,8 @@ __all__ = [
 ]
 
 # Bumped whenever the arithmetic behind a fingerprint changes, so old goldens stop matching loudly.
-MATH_VERSION = "grpo-core-math-3"  # 2: the canonical math (portable exp / log / sqrt, adjacent-pair trees); 3: exp by FMA
+# 2: the canonical math (portable exp / log / sqrt, adjacent-pair trees); 3: its exp by fused multiply-adds
+MATH_VERSION = "grpo-core-math-3"
 DEFAULT_VOCAB_TILE = 128
 FP32_MAX = float.fromhex("0x1.fffffep+127")
 FP32_TINY = float.fromhex("0x1p-126")  # the smallest normal float32

@@ -3,9 +3,9 @@
 Every function here repeats one of `canonical.py` with the same IEEE operations in the same order, so the
 kernels give the torch reference's bits, hence the golden's, on every GPU and under the interpreter. What
 makes that hold: kernels compile with `enable_fp_fusion=False` (an FMA only where `tl.fma` is written, as
-`canonical.fma` is), divide with `div_rn`, never call the
-GPU's approximate exp / log, propagate NaN through max / min like torch, and build every sum as the same tree
-of adjacent pairs (`tl.split` of a trailing dimension of two: one add, the only possible order).
+`canonical.fma` is), divide with `div_rn`, never call the GPU's approximate exp / log, propagate NaN through
+max / min like torch, and build every sum as the same tree of adjacent pairs (`tl.split` of a trailing
+dimension of two, or `tl.sum` over it: one add, the only possible order).
 
 - `_row_kernel`, one program per token row and tensor (policy, reference): the row streams in chunks of `NT`
   vocabulary tiles of `W` columns; each tile's `(max, sum exp(x - max))` goes to memory (`[tokens, V / W]` pairs,
@@ -40,7 +40,10 @@ from .launch import pick, twins
 # Settings from one H200 sweep (benchmarks/README.md, 2026-11-30), bf16 32x256x32768 / 16x1024x151936: the row kernel
 # with (4096 columns, 4 warps) took 0.554 / 5.05 ms against 0.574 / 5.13 with (2048, 2) and 0.569 / 5.14 with (8192, 8);
 # the merge kernel with blocks of 8192 statistics 0.049 / 0.203 ms, 16384 0.027 / 0.240, 4096 0.029 / 0.354 (and 1.43 ms
-# against 0.064 at 32x256x131072).
+# against 0.064 at 32x256x131072). With the FMA exp (policy and reference rows, 8192x32768 / 8192x131072 /
+# 16384x151936), `SUM_PAIRS` took 0.620 / 2.507 / 5.854 ms on fp32 rows against 0.664 / 2.646 / 6.146 without, but
+# 0.478 / 1.890 / 4.410 against 0.467 / 1.845 / 4.346 on bf16 rows, and 2.50 against 1.97 ms on fp32 rows of 50257
+# (rows not on 16-byte boundaries).
 CHUNK = 4096  # vocabulary columns per loop iteration of the row kernel
 ROW_WARPS = 4
 MERGE_BLOCK = 8192  # tile statistics per loop iteration of the merge kernel (rows x tiles)
@@ -161,9 +164,11 @@ def _merge(m, s, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
 
 
 @triton.jit
-def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr):
+def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr,
+           SUM_PAIRS: tl.constexpr):
     """`canonical.tile_stats` of the `NT` tiles from tile `start` of one row (its logits times `inv`, the inverse
-    temperature, with SCALE): `[NT]` maxima and sums."""
+    temperature, with SCALE): `[NT]` maxima and sums. SUM_PAIRS adds each level's pairs with `tl.sum` over a
+    dimension of two instead of `tl.split`: the same single add, in another register layout."""
     cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
     x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     if SCALE:
@@ -172,8 +177,11 @@ def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.
     m = tl.where(m == 0.0, 0.0, m)
     e = exp_nonpos(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
     for k in tl.static_range(LOG2W):
-        a, b = tl.split(tl.reshape(e, (NT, W >> (k + 1), 2)))
-        e = a + b
+        if SUM_PAIRS:
+            e = tl.sum(tl.reshape(e, (NT, W >> (k + 1), 2)), 2)
+        else:
+            a, b = tl.split(tl.reshape(e, (NT, W >> (k + 1), 2)))
+            e = a + b
     return m, tl.reshape(e, (NT,))
 
 
@@ -186,12 +194,12 @@ def _lse(m, s):
 
 @triton.jit
 def _row(row_ptr, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr,
-         NT: tl.constexpr):
+         NT: tl.constexpr, SUM_PAIRS: tl.constexpr):
     """One active row: its tiles' statistics to `m_ptr` (maxima) and `m_ptr + s_offset` (sums); returns the
     selected logit (column `a`, 0.0 when this shard does not own it)."""
     for c in range(0, tl.cdiv(tiles, NT)):
         t = c * NT + tl.arange(0, NT)
-        m, s = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE)
+        m, s = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE, SUM_PAIRS)
         tl.store(m_ptr + t, m, mask=t < tiles)
         tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
     z = tl.load(row_ptr + a, mask=(a >= 0) & (a < V), other=0.0).to(tl.float32)
@@ -214,6 +222,7 @@ def _row_kernel(
     SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
     W: tl.constexpr, LOG2W: tl.constexpr,  # tile width (a power of two)
     NT: tl.constexpr,  # tiles per chunk
+    SUM_PAIRS: tl.constexpr,  # `_tiles`; on the H200 faster for fp32 rows on 16-byte boundaries, slower otherwise
 ):
     row = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)  # 0: the policy row, 1: the reference row (a program each)
@@ -222,10 +231,11 @@ def _row_kernel(
     if tl.load(mask_ptr + row) != 0:
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         if which == 0:
-            z = _row(x_ptr + row * stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT)
+            z = _row(x_ptr + row * stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT,
+                     SUM_PAIRS)
         else:
             z = _row(r_ptr + row * stride_r, a, stats_ptr + 2 * plane + row * tiles, plane, V, tiles, inv, SCALE, W,
-                     LOG2W, NT)
+                     LOG2W, NT, SUM_PAIRS)
     tl.store(sel_ptr + which * N + row, z)
 
 
@@ -526,7 +536,8 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width),
-            NT=max(1, CHUNK // width), **_fp(ROW_WARPS))
+            NT=max(1, CHUNK // width), SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0
+                                                     and t.stride(0) % 4 == 0 for t in (x, r)), **_fp(ROW_WARPS))
     return sel, stats
 
 
