@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,34 @@ def test_sqrt_is_correctly_rounded():
     assert canonical.sqrt(torch.tensor([0.0, 1e-45, 1e-39])).tolist() == [0.0, 0.0, 0.0]  # subnormals flush to 0
     edges = canonical.sqrt(torch.tensor([float("inf"), float("nan")]))  # as the GPU's sqrt_rn
     assert edges[0] == float("inf") and torch.isnan(edges[1])
+
+
+def fp32_nearest(v: Fraction) -> float:
+    """`v` rounded to the nearest fp32, ties to even, exactly (a float64 first would round twice)."""
+    f = np.float32(float(v))
+    near = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    return float(min(near, key=lambda c: (abs(Fraction(float(c)) - v), int(np.array(c).view(np.int32)) & 1)))
+
+
+def test_fma_rounds_once():
+    """`canonical.fma` is IEEE's fusedMultiplyAdd on fp32: against exact rationals on products near the addend
+    (cancellation), near an fp32 midpoint, and on random bit patterns; a float64 product + sum gets the first
+    case wrong (it rounds to the midpoint, then to even)."""
+    a, b, c = torch.tensor([1 + 2 ** -23]), torch.tensor([-(1 - 2 ** -23) * 2 ** -24]), torch.tensor([1 + 2 ** -23])
+    assert (a.double() * b.double() + c.double()).float().item() == 1.0
+    g = torch.Generator().manual_seed(5)
+    n = 3000
+    x = (torch.rand(n, generator=g) * 4 - 2, torch.rand(n, generator=g) * 4 - 2)
+    near = (-(x[0].double() * x[1].double()) * (1 + (torch.rand(n, generator=g).double() - 0.5) * 2 ** -20)).float()
+    mid_a = (1 + torch.randint(0, 2 ** 23, (n,), generator=g).double() / 2 ** 23).float()
+    mid_b = -(1 - torch.randint(0, 2 ** 12, (n,), generator=g).double() / 2 ** 23).float() * 2 ** -24
+    rnd = [random_floats(-1e15, 1e15, 2 * n, seed)[:n] for seed in (6, 7, 8)]
+    cases = [(a, b, c), (*x, near), (mid_a, mid_b, mid_a), tuple(rnd)]
+    for ta, tb, tc in cases:
+        got = canonical.fma(ta, tb, tc)
+        want = [fp32_nearest(Fraction(float(p)) * Fraction(float(q)) + Fraction(float(r)))
+                for p, q, r in zip(ta.tolist(), tb.tolist(), tc.tolist())]
+        assert_bitwise_equal(got, torch.tensor(want, dtype=torch.float32), "fma vs exact")
 
 
 def test_edges():

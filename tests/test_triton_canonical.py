@@ -47,6 +47,34 @@ def test_primitives_give_the_torch_bits():
                          "log")
 
 
+@triton.jit
+def _fma_kernel(A, B, C, OUT, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + i, kernels._fma(tl.load(A + i, mask=i < n), tl.load(B + i, mask=i < n), tl.load(C + i, mask=i < n)),
+             mask=i < n)
+
+
+def test_fma_gives_the_torch_bits():
+    """The kernels' fma (the GPU's instruction; under the interpreter, the emulation) is `canonical.fma`, on
+    cases where rounding the product and the sum apart, in fp32 or in float64, gives other bits."""
+    g = torch.Generator().manual_seed(1)
+    n = 1 << 16
+    a = 1 + torch.randint(0, 2 ** 23, (n,), generator=g).double() / 2 ** 23
+    b = -(1 - torch.randint(0, 2 ** 12, (n,), generator=g).double() / 2 ** 23) * 2 ** -24
+    c = 1 + torch.randint(0, 2 ** 23, (n,), generator=g).double() / 2 ** 23
+    x = torch.randn(n, generator=g)
+    a, b, c = (torch.cat([t.float(), x, torch.tensor([1 + 2 ** -23])]) for t in (a, b, c))
+    c[n:2 * n] = -(x * x) * (1 + 2 ** -20)
+    b[n:2 * n] = x
+    b[-1], c[-1] = -(1 - 2 ** -23) * 2 ** -24, 1 + 2 ** -23
+    want = canonical.fma(a, b, c)
+    assert not torch.equal(want.view(torch.int32), (a.double() * b.double() + c.double()).float().view(torch.int32))
+    assert not torch.equal(want.view(torch.int32), (a * b + c).view(torch.int32))
+    out = torch.empty(a.numel(), device=DEV)
+    _fma_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(DEV), b.to(DEV), c.to(DEV), out, a.numel(), BLOCK=1024)
+    assert_bitwise_equal(out.cpu(), want, "fma")
+
+
 def contract(V: int, B: int, T: int, layout: Layout = Layout(1, 1), tp_rank: int = 0, dp_rank: int = 0, **over):
     sharding = ShardingSpec.uniform(vocab_size=V, num_sequences=B, tp_world_size=layout.tp, dp_world_size=layout.dp,
                                     tp_rank=tp_rank, dp_rank=dp_rank, vocab_tile=over.get("vocab_tile", 128))
