@@ -11,6 +11,7 @@ import torch
 from conftest import assert_bitwise_equal, assert_close_verbose, bits, make_inputs
 from grpo_core import GRPOLossContract, ShardingSpec, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
+from grpo_core.triton import canonical as canonical_kernels
 from harness.topology import Layout, run_world
 from test_distributed_grpo_loss import _expect_error as _error, compare
 
@@ -29,6 +30,9 @@ CASES = [
 ]
 CASES = [dict(case, seed=i) for i, case in enumerate(CASES)]
 OP = DistributedGRPOLossOp()
+TRITON_OP = DistributedGRPOLossOp(kernels="triton")
+TRITON_CASES = [CASES[2], CASES[3], CASES[4]]
+TRITON_LAYOUTS = [Layout(2, 2)]
 
 
 def case_inputs(case: dict) -> dict:
@@ -72,7 +76,7 @@ def run_local(inp: dict, contract: GRPOLossContract, device, tp_group=None, dp_g
 
 def world_suite(ctx) -> dict:
     dev = ctx.device
-    out = {"mismatches": [], "compared": 0, "kernels": set(), "errors": {}}
+    out = {"mismatches": [], "compared": 0, "kernels": set(), "errors": {}, "triton_compared": 0}
     for case in CASES:
         inp = case_inputs(case)
         want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
@@ -85,6 +89,21 @@ def world_suite(ctx) -> dict:
             out["kernels"].add(got.pop("kernels"))
             out["mismatches"] += compare(got, want, c, f"case {case['seed']} {lay.name} rank {ctx.rank}", FIELDS)
             out["compared"] += 1
+    # The Triton kernels (the interpreter on the CPU) in a world, on the options only they compute in a world:
+    # given advantages per sequence and per token, dr_grpo, TRL's std. Chunks of 256 columns, not 4096: the
+    # interpreter's time goes with the chunk, and the bits do not depend on it (test_triton_canonical.py).
+    canonical_kernels.CHUNK = 256
+    for case in TRITON_CASES:
+        inp = case_inputs(case)
+        want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
+        for lay in TRITON_LAYOUTS:
+            p = ctx.place(lay)
+            c = contract_for(case, lay, p.tp_rank, p.dp_rank)
+            got = run_local(inp, c, dev, p.tp_group, p.dp_group, op=TRITON_OP)
+            out["triton_kernels"] = got.pop("kernels")
+            out["mismatches"] += compare(got, want, c, f"triton case {case['seed']} {lay.name} rank {ctx.rank}",
+                                         FIELDS)
+            out["triton_compared"] += 1
 
     # Preflight at tp2 x dp2 (ranks 0-3): TP siblings must hold the same advantages where active tokens read them.
     lay, p = Layout(2, 2), ctx.place(Layout(2, 2))
@@ -124,6 +143,7 @@ def test_every_layout_gives_the_single_rank_bits_with_the_migration_options(worl
     assert [res["compared"] for res in world] == [len(CASES) * sum(lay.world > r for lay in LAYOUTS)
                                                   for r in range(4)]
     assert all(res["kernels"] == {"torch"} for res in world)
+    assert [(res["triton_kernels"], res["triton_compared"]) for res in world] == [("triton", 3)] * 4
 
 
 def test_preflight_compares_the_advantages_peers_hold(world):
