@@ -5,6 +5,8 @@ whose layouts and comparison this file shares."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ CASES = [dict(case, seed=i) for i, case in enumerate(CASES)]
 OP = DistributedGRPOLossOp()
 TRITON_OP = DistributedGRPOLossOp(kernels="triton")
 TRITON_CASES = [CASES[2], CASES[3], CASES[4]]
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it where there is no GPU
 TRITON_LAYOUTS = [Layout(2, 2)]
 
 
@@ -89,11 +92,11 @@ def world_suite(ctx) -> dict:
             out["kernels"].add(got.pop("kernels"))
             out["mismatches"] += compare(got, want, c, f"case {case['seed']} {lay.name} rank {ctx.rank}", FIELDS)
             out["compared"] += 1
-    # The Triton kernels (the interpreter on the CPU) in a world, on the options only they compute in a world:
-    # given advantages per sequence and per token, dr_grpo, TRL's std. Chunks of 256 columns, not 4096: the
+    # The Triton kernels in this CPU world (under the interpreter, as on CI), on the options only they compute in a
+    # world: given advantages per sequence and per token, dr_grpo, TRL's std. Chunks of 256 columns, not 4096: the
     # interpreter's time goes with the chunk, and the bits do not depend on it (test_triton_canonical.py).
     canonical_kernels.CHUNK = 256
-    for case in TRITON_CASES:
+    for case in TRITON_CASES if INTERPRET else []:
         inp = case_inputs(case)
         want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
         for lay in TRITON_LAYOUTS:
@@ -143,7 +146,8 @@ def test_every_layout_gives_the_single_rank_bits_with_the_migration_options(worl
     assert [res["compared"] for res in world] == [len(CASES) * sum(lay.world > r for lay in LAYOUTS)
                                                   for r in range(4)]
     assert all(res["kernels"] == {"torch"} for res in world)
-    assert [(res["triton_kernels"], res["triton_compared"]) for res in world] == [("triton", 3)] * 4
+    if INTERPRET:
+        assert [(res["triton_kernels"], res["triton_compared"]) for res in world] == [("triton", 3)] * 4
 
 
 def test_preflight_compares_the_advantages_peers_hold(world):
