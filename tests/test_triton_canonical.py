@@ -10,8 +10,10 @@ import triton
 import triton.language as tl
 
 from conftest import HAS_CUDA, assert_bitwise_equal, make_inputs
-from grpo_core import GRPOLossContract, ShardingSpec, canonical, raise_pending
+from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, canonical, raise_pending
+from grpo_core.contract import AdvantageStd
 from grpo_core.distributed import DistributedGRPOLossOp
+from grpo_core.distributed.grpo_loss import check_derived_advantages
 from grpo_core.triton import canonical as kernels
 from harness.topology import Layout, run_world
 
@@ -148,6 +150,28 @@ def test_non_finite_logits_raise_like_the_reference():
     assert "finite log-probabilities at active tokens" in messages[0]
     assert messages[1].startswith("grpo_loss (distributed, triton kernels) (call #") and messages[1].endswith(
         "checked after it returned): " + messages[0])
+
+
+def test_derived_advantages_name_overflow_only_in_groups_of_finite_rewards():
+    """A NaN reward makes its group's advantages NaN too; that is the rewards check's error (on the rank holding the
+    reward), so the overflow check, which every rank runs on the gathered vectors, names only the other groups."""
+    rewards = torch.tensor([1.0, float("nan"), 1e20, 5e19, 0.5, 0.25])
+    adv = canonical.group_advantages(rewards, (0, 2, 4, 6), AdvantageStd.POPULATION)
+    with pytest.raises(LossContractError, match=r"sequences \[2, 3\] are not finite.*up to 1e\+20"):
+        check_derived_advantages(adv, rewards, (0, 2, 4, 6))
+    rewards[2:4] = torch.tensor([1.0, 2.0])
+    check_derived_advantages(canonical.group_advantages(rewards, (0, 2, 4, 6), AdvantageStd.POPULATION), rewards,
+                             (0, 2, 4, 6))  # only the NaN reward's group: nothing to say here
+
+
+def test_statistics_the_kernels_cannot_address_are_refused():
+    """Between 2**30 and 2**31 tile statistics per tensor the row kernel's 32-bit offsets wrap: 'triton' refuses,
+    'auto' takes the torch kernels. Only the shape is read (an expanded tensor stands for the logits)."""
+    logits = torch.empty((), dtype=torch.bfloat16).expand(1 << 12, 256, 16 * 1024)  # 2**20 tokens x 1024 tiles
+    with pytest.raises(LossContractError, match=r"cannot address the tile statistics of 1073741824"):
+        DistributedGRPOLossOp(kernels="triton")._triton_runs(logits, 16)
+    assert DistributedGRPOLossOp(kernels="triton")._triton_runs(logits, 32)  # 2**29 statistics
+    assert DistributedGRPOLossOp(kernels="triton")._triton_runs(logits, 4)  # 2**32: an int64 argument
 
 
 @pytest.mark.parametrize("scale", [1e20, 3e38])

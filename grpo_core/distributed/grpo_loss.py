@@ -51,16 +51,20 @@ def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: 
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
-def check_derived_advantages(advantages: torch.Tensor, rewards: torch.Tensor) -> None:
-    """Raises where the advantages computed from the whole batch's `rewards` are not finite: the rewards are finite
-    (checked before), so their group's sum or variance overflowed fp32."""
+def check_derived_advantages(advantages: torch.Tensor, rewards: torch.Tensor, groups: tuple[int, ...]) -> None:
+    """Raises where the advantages computed from the whole batch's `rewards` (CSR `groups`) are not finite in a
+    group of finite rewards: its sum or variance overflowed fp32. (A non-finite reward is the rewards check's to
+    name, on the rank that holds it.)"""
     bad = ~torch.isfinite(advantages)
-    if bool(bad.any()):
-        seqs = bad.nonzero().flatten()
+    if not bool(bad.any()):
+        return
+    finite = torch.isfinite(rewards)
+    seqs = [i for lo, hi in zip(groups, groups[1:]) if bool(finite[lo:hi].all()) for i in range(lo, hi) if bad[i]]
+    if seqs:
         raise LossContractError(
-            f"rewards: the advantages of sequences {seqs[:8].tolist()} are not finite: the sum or the variance of "
-            f"their group's rewards overflows float32 (|reward| up to {float(rewards[seqs].abs().max()):.3g}); "
-            f"scale the rewards down")
+            f"rewards: the advantages of sequences {seqs[:8]} are not finite: the sum or the variance of their "
+            f"group's rewards overflows float32 (|reward| up to {float(rewards[seqs].abs().max()):.3g}); scale the "
+            f"rewards down")
 
 
 class _Loss(torch.autograd.Function):
@@ -121,6 +125,13 @@ class DistributedGRPOLossOp:
                 return False
             raise LossContractError(f"vocab_tile: the Triton kernels take tiles of at most {MAX_TILE} columns, got "
                                     f"{tile_width}; use kernels='torch'")
+        plane = logits.shape[0] * logits.shape[1] * -(-logits.shape[-1] // tile_width)
+        if 1 << 30 <= plane < 1 << 31:  # a 32-bit kernel argument that the row kernel doubles
+            if self.kernels == "auto":
+                return False
+            raise LossContractError(f"vocab_tile: the Triton kernels cannot address the tile statistics of {plane} "
+                                    f"(tokens x tiles) tiles, between 2**30 and 2**31; use another vocab_tile or "
+                                    f"kernels='torch'")
         return True
 
     @staticmethod
@@ -233,12 +244,13 @@ class DistributedGRPOLossOp:
             # every rank holds the gathered flags: all raise together, at the same later call
             self._defer(flag, flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
                         old_logps, rewards, advantages, completion_mask, logp, logp_ref,
-                        None if rewards_all is None else (advantages_all, rewards_all), (tp_group, dp_group))
+                        None if rewards_all is None else (advantages_all, rewards_all, contract.groups),
+                        (tp_group, dp_group))
         else:
             if bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
                 check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
             if rewards_all is not None:  # every rank holds them: all raise together
-                check_derived_advantages(advantages_all, rewards_all)
+                check_derived_advantages(advantages_all, rewards_all, contract.groups)
             loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                       contract.normalizer, contract.normalizer_value)
             clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped,
@@ -280,8 +292,8 @@ class DistributedGRPOLossOp:
                completion_mask, logp, logp_ref, derived, groups) -> None:
         """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`) to `pending` with this rank's inputs;
         the precise error comes from the rank that holds the bad value, the others name the sequences. `derived`:
-        the whole batch's `(advantages, rewards)` when the advantages come from the rewards; `groups`: `(tp_group,
-        dp_group)`, the key of a world call's deferred checks."""
+        the whole batch's `(advantages, rewards, groups)` when the advantages come from the rewards; `groups`:
+        `(tp_group, dp_group)`, the key of a world call's deferred checks."""
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         kept = [None if t is None else t.detach()
                 for t in (action_ids, old_logps, rewards, completion_mask, advantages)]

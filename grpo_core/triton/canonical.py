@@ -79,16 +79,17 @@ def _min(a, b):
 @triton.jit
 def _fma(a, b, c):
     """`canonical.fma`: `a * b + c` rounded once. The interpreter computes it the way `canonical.fma` does (some
-    Triton versions' interpreters round the product and the sum apart)."""
+    Triton versions' interpreters round the product and the sum apart), and gives a positive NaN, as the GPU does
+    (`exp_nonpos` keeps a NaN only if it is positive). This branch is not compiled for the GPU."""
     if _EMULATE_FMA:
         p = a.to(tl.float64) * b
-        c = c + tl.zeros_like(p)
+        c = c + tl.full(p.shape, -0.0, tl.float64)  # a float64 block; x + -0.0 is x, -0.0 included
         s = p + c
         t = s - p
         err = (p - (s - t)) + (c - t)  # p + c == s + err exactly
         bits = s.to(tl.int64, bitcast=True)
         bits = tl.where((err != 0) & ((bits & 1) == 0), bits + tl.where((err > 0) == (s > 0), 1, -1), bits)
-        return bits.to(tl.float64, bitcast=True).to(tl.float32)
+        return tl.where(s == s, bits.to(tl.float64, bitcast=True).to(tl.float32), float("nan"))  # the GPU's NaN
     else:
         return tl.fma(a, b, c)
 
