@@ -34,8 +34,7 @@ import triton.language as tl
 from .. import canonical as C
 from ..contract import AdvantageStd, TokenNormalizer
 from .group_norm import MODES, group_tensors
-from .grpo_loss import _finish_options
-from .launch import pick, twins
+from .launch import finish_options, pick, twins
 
 # Settings from one H200 sweep (benchmarks/README.md, 2026-11-30), bf16 32x256x32768 / 16x1024x151936: the row kernel
 # with (4096 columns, 4 warps) took 0.554 / 5.05 ms against 0.574 / 5.13 with (2048, 2) and 0.569 / 5.14 with (8192, 8);
@@ -598,7 +597,7 @@ def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: Toke
     `(scalars [6] = loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean, token weights [S], the
     largest flag (0-d int64))`, the bits of `canonical.combine`, `batch_metrics` and `token_weights`."""
     S = sums.shape[1]
-    means, denom, constant = _finish_options(normalizer, constant, S)
+    means, denom, constant = finish_options(normalizer, constant, S)
     out = torch.empty(6, dtype=torch.float32, device=sums.device)
     w = torch.empty(S, dtype=torch.float32, device=sums.device)
     flag = torch.empty((), dtype=torch.int64, device=sums.device)

@@ -39,7 +39,7 @@ from ..canonical import STD_EPS, STD_FLOOR
 from ..contract import AdvantageStd, TokenNormalizer, inverse_temperature, loss_options
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
-from .launch import pick, twins
+from .launch import finish_options, pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
@@ -208,20 +208,6 @@ def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
 _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 
-def _finish_options(normalizer: TokenNormalizer, constant: float | None, B: int) -> tuple[bool, str, float]:
-    """The finish kernel's `(MEANS, DENOM, constant)` for a token normalizer, with `canonical.normalize`'s constant
-    denominators: the batch mean's `B`, dr_grpo's `B * max_completion_length` (`constant`), each rounded once."""
-    if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
-        return False, "tokens", 1.0
-    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
-        return True, "sequences", 1.0
-    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN:
-        return True, "constant", float(B)
-    if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
-        return False, "constant", float(B * int(constant))
-    return False, "constant", constant  # fixed_constant
-
-
 def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high, beta, inv,
              single_pass, means, denom, constant, grad=None):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
@@ -359,7 +345,7 @@ class TritonGRPOLossOp:
         else:  # no group statistics: the kernels read the advantages as given
             source, groups = advantages.detach().float().contiguous(), (None, None, 0)
         args = (ref_logits, action_ids, completion_mask, old, source, *groups, *clip, inv, single,
-                *_finish_options(o.normalizer, o.constant, B))
+                *finish_options(o.normalizer, o.constant, B))
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
         elif torch.compiler.is_compiling():

@@ -1,8 +1,11 @@
-"""Kernel twins: one specialized by Triton, one not, for the degenerate shapes that break specialization."""
+"""What both kernel modules launch with: kernel twins (one specialized by Triton, one not, for the degenerate shapes
+that break specialization) and the finish kernels' normalizer options."""
 
 from __future__ import annotations
 
 import triton
+
+from ..contract import TokenNormalizer
 
 
 def twins(fn, names: list[str]) -> tuple:
@@ -16,3 +19,17 @@ def twins(fn, names: list[str]) -> tuple:
 def pick(kernels: tuple, *sizes: int):
     """The general twin when any of `sizes` (V, row strides) is 0 or 1, else the specialized one."""
     return kernels[1] if min(sizes) <= 1 else kernels[0]
+
+
+def finish_options(normalizer: TokenNormalizer, constant: float | None, B: int) -> tuple[bool, str, float]:
+    """The finish kernel's `(MEANS, DENOM, constant)` for a token normalizer, with `canonical.normalize`'s constant
+    denominators: the batch mean's `B`, dr_grpo's `B * max_completion_length` (`constant`), each rounded once."""
+    if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
+        return False, "tokens", 1.0
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_MEAN:
+        return True, "sequences", 1.0
+    if normalizer is TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN:
+        return True, "constant", float(B)
+    if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
+        return False, "constant", float(B * int(constant))
+    return False, "constant", constant  # fixed_constant
