@@ -79,34 +79,35 @@ def run_local(inp: dict, contract: GRPOLossContract, device, tp_group=None, dp_g
 
 def world_suite(ctx) -> dict:
     dev = ctx.device
-    out = {"mismatches": [], "compared": 0, "kernels": set(), "errors": {}, "triton_compared": 0}
-    for case in CASES:
-        inp = case_inputs(case)
-        want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
-        for lay in LAYOUTS:
-            p = ctx.place(lay)
-            if p is None:
-                continue
-            c = contract_for(case, lay, p.tp_rank, p.dp_rank)
-            got = run_local(inp, c, dev, p.tp_group, p.dp_group)
-            out["kernels"].add(got.pop("kernels"))
-            out["mismatches"] += compare(got, want, c, f"case {case['seed']} {lay.name} rank {ctx.rank}", FIELDS)
-            out["compared"] += 1
+    out = {"mismatches": [], "errors": {}}
+
+    def against_one_rank(cases: list[dict], layouts: list[Layout], op, label: str) -> tuple[set, int]:
+        """Each case at each layout this rank is placed in, against the single-rank torch run (mismatches go to
+        `out`): the kernels that ran and how many runs were compared."""
+        kernels, compared = set(), 0
+        for case in cases:
+            inp = case_inputs(case)
+            want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
+            for lay in layouts:
+                p = ctx.place(lay)
+                if p is None:
+                    continue
+                c = contract_for(case, lay, p.tp_rank, p.dp_rank)
+                got = run_local(inp, c, dev, p.tp_group, p.dp_group, op=op)
+                kernels.add(got.pop("kernels"))
+                out["mismatches"] += compare(got, want, c, f"{label}case {case['seed']} {lay.name} rank {ctx.rank}",
+                                             FIELDS)
+                compared += 1
+        return kernels, compared
+
+    out["kernels"], out["compared"] = against_one_rank(CASES, LAYOUTS, OP, "")
     # The Triton kernels in this CPU world (under the interpreter, as on CI), on the options only they compute in a
     # world: given advantages per sequence and per token, dr_grpo, TRL's std. Chunks of 256 columns, not 4096: the
     # interpreter's time goes with the chunk, and the bits do not depend on it (test_triton_canonical.py).
-    canonical_kernels.CHUNK = 256
-    for case in TRITON_CASES if INTERPRET else []:
-        inp = case_inputs(case)
-        want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
-        for lay in TRITON_LAYOUTS:
-            p = ctx.place(lay)
-            c = contract_for(case, lay, p.tp_rank, p.dp_rank)
-            got = run_local(inp, c, dev, p.tp_group, p.dp_group, op=TRITON_OP)
-            out["triton_kernels"] = got.pop("kernels")
-            out["mismatches"] += compare(got, want, c, f"triton case {case['seed']} {lay.name} rank {ctx.rank}",
-                                         FIELDS)
-            out["triton_compared"] += 1
+    if INTERPRET:
+        canonical_kernels.CHUNK = 256
+        out["triton_kernels"], out["triton_compared"] = against_one_rank(TRITON_CASES, TRITON_LAYOUTS, TRITON_OP,
+                                                                         "triton ")
 
     # Preflight at tp2 x dp2 (ranks 0-3): TP siblings must hold the same advantages where active tokens read them.
     lay, p = Layout(2, 2), ctx.place(Layout(2, 2))
@@ -147,7 +148,7 @@ def test_every_layout_gives_the_single_rank_bits_with_the_migration_options(worl
                                                   for r in range(4)]
     assert all(res["kernels"] == {"torch"} for res in world)
     if INTERPRET:
-        assert [(res["triton_kernels"], res["triton_compared"]) for res in world] == [("triton", 3)] * 4
+        assert [(res["triton_kernels"], res["triton_compared"]) for res in world] == [({"triton"}, 3)] * 4
 
 
 def test_preflight_compares_the_advantages_peers_hold(world):

@@ -135,18 +135,23 @@ def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, merge
                 run(DistributedGRPOLossOp(kernels="torch"), inp, c), c, f"W={width} chunk={chunk} V={V}")
 
 
-def test_non_finite_logits_raise_like_the_reference():
-    """The torch kernels raise in the call; the Triton ones hand their flags to `pending` (on the CPU the flags are
-    read at once), with the same words after the call's label."""
-    inp = make_inputs(2, 3, 50, seed=2)
-    inp["policy_logits"][1, 0, 7] = float("nan")
-    c = contract(50, 2, 3)
+def both_kernels_raise(inp: dict, c: GRPOLossContract) -> list[str]:
+    """The error messages of the torch kernels (raised in the call) and of the Triton ones (through `pending`)."""
     messages = []
     for k in ("torch", "triton"):
         with pytest.raises(Exception) as info:
             run(DistributedGRPOLossOp(kernels=k), inp, c)
             raise_pending()
         messages.append(str(info.value))
+    return messages
+
+
+def test_non_finite_logits_raise_like_the_reference():
+    """The torch kernels raise in the call; the Triton ones hand their flags to `pending` (on the CPU the flags are
+    read at once), with the same words after the call's label."""
+    inp = make_inputs(2, 3, 50, seed=2)
+    inp["policy_logits"][1, 0, 7] = float("nan")
+    messages = both_kernels_raise(inp, contract(50, 2, 3))
     assert "finite log-probabilities at active tokens" in messages[0]
     assert messages[1].startswith("grpo_loss (distributed, triton kernels) (call #") and messages[1].endswith(
         "checked after it returned): " + messages[0])
@@ -180,13 +185,7 @@ def test_overflowing_rewards_raise_like_the_reference(scale):
     both kernels refuse with the same words (not a loss computed from advantages of 0 or NaN)."""
     inp = make_inputs(4, 3, 50, seed=3)
     inp["rewards"][2:4] = torch.tensor([scale, scale / 2])  # the second group of two
-    c = contract(50, 4, 3)
-    messages = []
-    for k in ("torch", "triton"):
-        with pytest.raises(Exception) as info:
-            run(DistributedGRPOLossOp(kernels=k), inp, c)
-            raise_pending()
-        messages.append(str(info.value))
+    messages = both_kernels_raise(inp, contract(50, 4, 3))
     assert messages[0].startswith("rewards: the advantages of sequences [2, 3] are not finite"), messages[0]
     assert messages[1].endswith("checked after it returned): " + messages[0]), messages[1]
 
