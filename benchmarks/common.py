@@ -83,15 +83,15 @@ def append(rows: list[dict], name: str) -> Path:
     return path
 
 
-def report(rows: list[dict], name: str) -> None:
-    """Appends the run's rows to `results/<name>.parquet` and prints them as a Markdown table."""
+def report(rows: list[dict], name: str, cols: list[str] | None = None) -> None:
+    """Appends the run's rows to `results/<name>.parquet` and prints them (`cols` of them) as a Markdown table."""
     path = append(rows, name)
-    print(markdown(rows))
+    print(markdown(rows, cols))
     print(f"appended {len(rows)} rows to {path}")
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = ["config", "backend", "mode", "p50_ms", "floor_ms", "ratio_to_floor", "peak_extra_mib", "bw_tbps"]
+def markdown(rows: list[dict], cols: list[str] | None = None) -> str:
+    cols = cols or ["config", "backend", "mode", "p50_ms", "floor_ms", "ratio_to_floor", "peak_extra_mib", "bw_tbps"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")

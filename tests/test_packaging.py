@@ -53,11 +53,13 @@ def test_wheel_extras(wheel):
     def extra(name: str) -> set[str]:
         return {r.split(";")[0].split(">")[0].split("[")[0].strip() for r in requires if f'extra == "{name}"' in r}
 
-    assert set(meta.get_all("Provides-Extra")) >= {"triton", "harness", "dev"}
+    assert set(meta.get_all("Provides-Extra")) >= {"triton", "harness", "trl", "dev"}
     assert extra("triton") == {"triton"}
     assert extra("harness") == {"pandas", "pyarrow", "matplotlib", "numpy"}
+    assert extra("trl") == {"trl==1.16.0", "transformers==5.24.0", "accelerate==1.15.0", "datasets==5.2.0",
+                            "tokenizers==0.23.3"}  # pinned: the trainer hook overrides a private method of TRL's
     assert {"pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "nox", "grpo-core"} <= extra("dev")
-    assert any('grpo-core[harness,triton]; extra == "dev"' in r for r in requires)
+    assert any('grpo-core[harness,triton,trl]; extra == "dev"' in r for r in requires)
 
 
 def test_installed_wheel_runs_python_m_harness_and_reports_outside_the_checkout(wheel, tmp_path):

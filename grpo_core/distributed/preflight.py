@@ -99,11 +99,14 @@ def _describe_arg(value: Any) -> Any:
 
 
 def _masked(desc: Any, name: str, axis: str) -> Any:
-    """`desc` without the dim that `axis` shards: dim 0 (sequences) over DP, the vocabulary of logits over TP."""
+    """`desc` without the dim that `axis` shards: dim 0 (sequences) over DP, the vocabulary over TP."""
     if not isinstance(desc, list):
         return desc
     shape = list(desc[2])
-    dim = 0 if axis == "dp" else (len(shape) - 1 if name.endswith("logits") else None)
+    if axis == "dp":
+        dim = 0
+    else:  # the vocabulary: the last dim of logits, the rows of an lm_head weight and its bias
+        dim = len(shape) - 1 if name.endswith("logits") else 0 if name.endswith(("weight", "bias")) else None
     if dim is not None and shape:
         shape[dim] = "*"
     return [desc[0], desc[1], shape]

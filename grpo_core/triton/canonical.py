@@ -536,7 +536,7 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width),
-            NT=max(1, CHUNK // width), SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0
+            NT=max(1, min(CHUNK // width, triton.next_power_of_2(tiles))), SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0
                                                      and t.stride(0) % 4 == 0 for t in (x, r)), **_fp(ROW_WARPS))
     return sel, stats
 
@@ -611,13 +611,14 @@ def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: Toke
 
 def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torch.Tensor,
          logp_ref: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor, lse: torch.Tensor,
-         grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float, inv: float = 1.0
-         ) -> torch.Tensor:
+         grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float, inv: float = 1.0,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows); `adv` `[n]` or
-    `[n, T]`; `inv` the fp32 inverse temperature."""
+    `[n, T]`; `inv` the fp32 inverse temperature. `out`: `[n * T, V_local]` rows to write instead (any dtype and row
+    stride; a row's bytes may be its own logits row's, which each program reads before it writes them over)."""
     x = _rows2d(policy)
     N, V = x.shape
-    g = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
+    g = torch.empty((N, V), dtype=policy.dtype, device=policy.device) if out is None else out
     bf16_bits = _INTERPRET and g.dtype == torch.bfloat16
     if N and V:
         pick(_GRAD, V, x.stride(0), g.stride(0))[(N,)](

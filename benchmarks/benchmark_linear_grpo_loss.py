@@ -1,0 +1,148 @@
+"""The fused linear GRPO loss (hidden states + lm_head weight) against the three-matmul floor of the same run.
+
+    python benchmarks/benchmark_linear_grpo_loss.py --configs "8x1024,3584,151936;32x2048,3584,151936"
+
+Floor: the bf16 matmul rate R measured here (`torch.mm` of 8192^3), `3 * 2NHV / R` for forward+backward with
+gradients for the hidden states and the weight (logits, dH, dW), `2NHV / R` for the log-prob forward (and once
+more per reference forward: `ref_hidden`). Backends: `linear` (ours: `grpo_core.linear`, Triton kernels, the
+contract path at 1x1), `matmul_then_triton` (`h @ W.T` in torch, then our fast Triton op on the materialized
+logits), `native` (`h @ W.T`, then the native op), and Liger's `LigerFusedLinearGRPOLoss` (what TRL's
+`use_liger_kernel=True` runs) when it imports. beta 0 is TRL's default; beta 0.04 takes `ref_logps`.
+Peak memory is the peak allocated over what was allocated before the call, gradients included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import provenance, report, timed  # noqa: E402
+from grpo_core import kernel_registry  # noqa: E402
+from grpo_core.linear import TRITON_CHUNK, linear_grpo_loss, linear_logprobs  # noqa: E402
+from grpo_core.triton import matmul as mm  # noqa: E402
+
+
+def parse(text: str) -> list[tuple[int, int, int, int]]:
+    """`"BxT,H,V;..."`."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        try:
+            bt, H, V = part.split(",")
+            B, T = bt.split("x")
+            out.append((int(B), int(T), int(H), int(V)))
+        except ValueError:
+            raise SystemExit(f"--configs: expected 'BxT,H,V' groups, got {part!r}") from None
+    return out
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 FLOP/s of `torch.mm` on `n`^3 (median)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def inputs(B: int, T: int, H: int, V: int, active: float, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = (torch.randn(V, H, device="cuda", generator=g) * H**-0.5).to(torch.bfloat16)
+    ids = torch.randint(0, V, (B, T), device="cuda", generator=g)
+    mask = torch.rand(B, T, device="cuda", generator=g) < active
+    old = -torch.rand(B, T, device="cuda", generator=g) * 2 - 10
+    ref = -torch.rand(B, T, device="cuda", generator=g) * 2 - 10
+    adv = torch.randn(B, device="cuda", generator=g)
+    return dict(hidden=hidden, weight=weight, ids=ids, mask=mask, old=old, ref=ref, adv=adv)
+
+
+def backends(beta: float) -> dict:
+    triton_op = kernel_registry.get_op("grpo_loss", backend="triton")
+    native = kernel_registry.get_op("grpo_loss", backend="native")
+
+    def ref_of(i):
+        return i["ref"] if beta > 0 else None
+
+    out = {"linear": lambda i, h, w: linear_grpo_loss(h, w, i["ids"], i["old"], completion_mask=i["mask"],
+                                                      advantages=i["adv"], ref_logps=ref_of(i), beta=beta,
+                                                      loss_type="dapo").loss}
+
+    def materialized(op):
+        def run(i, h, w):
+            logits = h @ w.T
+            # the reference log-probs are given: the logits ops take reference logits, so beta > 0 is run with
+            # beta = 0 here and the reference term's cost (one [N] elementwise op) left out
+            return op(logits, None, i["ids"], i["old"], None, i["mask"], advantages=i["adv"], beta=0.0,
+                      loss_type="dapo")[0]
+        return run
+
+    out["matmul_then_triton"] = materialized(triton_op)
+    out["native"] = materialized(native)
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        liger = LigerFusedLinearGRPOLoss(beta=beta, loss_type="dapo", use_ref_model=beta > 0)
+        out["liger"] = lambda i, h, w: liger(h, w, i["ids"], i["mask"].long(), i["adv"],
+                                             ref_per_token_logps=ref_of(i), old_per_token_logps=i["old"])[0]
+    except ImportError:
+        pass
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="8x1024,3584,151936;32x2048,3584,151936;8x1024,4096,128256;"
+                                        "32x2048,4096,128256")
+    p.add_argument("--betas", default="0,0.04")
+    p.add_argument("--active", type=float, default=1.0, help="fraction of active tokens (TRL masks padding only)")
+    p.add_argument("--skip", default="", help="comma-separated backends to skip (e.g. native,liger)")
+    p.add_argument("--out", default="linear_grpo_loss")
+    args = p.parse_args()
+    skip, prov, rows = set(filter(None, args.skip.split(","))), provenance(), []
+    rate = matmul_rate()
+    print(f"bf16 matmul rate {rate / 1e12:.1f} TFLOP/s", flush=True)
+    for B, T, H, V in parse(args.configs):
+        i = inputs(B, T, H, V, args.active)
+        N = int(i["mask"].sum())
+        flops = 2 * N * H * V
+        for beta in (float(b) for b in args.betas.split(",")):
+            runs = {k: v for k, v in backends(beta).items() if k not in skip}
+            if beta == 0:  # the log-prob forward, once per config
+                runs["logprobs"] = None
+            for name, fn in runs.items():
+                h = i["hidden"].detach().requires_grad_(name != "logprobs")
+                w = i["weight"].detach().requires_grad_(name != "logprobs")
+                if name == "logprobs":
+                    def run(h=h, w=w):
+                        linear_logprobs(h, w, i["ids"], i["mask"])
+                    mode, floor = "logprob_fwd", flops / rate * 1e3
+                else:
+                    def run(h=h, w=w, fn=fn):
+                        fn(i, h, w).backward()
+                    mode, floor = "fwd_bwd", 3 * flops / rate * 1e3
+                try:
+                    p50, p20, p80, peak = timed(run, grad_to_none=None if name == "logprobs" else [h, w])
+                except torch.OutOfMemoryError:
+                    print(f"{name} {mode} {B}x{T},{H},{V} beta={beta}: out of memory", file=sys.stderr, flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                rows.append(dict(op="linear_grpo_loss", backend=name, mode=mode, config=f"{B}x{T},{H},{V}",
+                                 beta=beta, B=B, T=T, H=H, V=V, dtype="bf16", active=N / (B * T), p50_ms=p50,
+                                 p20_ms=p20, p80_ms=p80, peak_extra_mib=peak, floor_ms=floor,
+                                 ratio_to_floor=p50 / floor, matmul_tflops=rate / 1e12, chunk_tokens=TRITON_CHUNK,
+                                 block=f"{mm.BLOCK_M}x{mm.BLOCK_N}x{mm.BLOCK_K}/{mm.NUM_WARPS}w/{mm.NUM_STAGES}s",
+                                 **prov))
+                print(f"{name:20s} {mode:11s} {B}x{T},{H},{V} beta={beta:<5} p50 {p50:9.2f} ms  floor {floor:8.2f}"
+                      f"  x{p50 / floor:5.2f}  peak {peak / 1024:7.2f} GiB", flush=True)
+                h.grad = w.grad = None
+        del i
+        torch.cuda.empty_cache()
+    report(rows, args.out, ["config", "beta", "backend", "mode", "p50_ms", "floor_ms", "ratio_to_floor",
+                            "peak_extra_mib"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Our fused linear GRPO loss (`grpo_core.linear.linear_grpo_loss`) behind TRL's and Liger's interfaces.
+
+`GRPOLinearLoss` is a drop-in for Liger's `LigerFusedLinearGRPOLoss` (liger-kernel 0.8.5, the module TRL's
+`GRPOTrainer` built for `use_liger_kernel=True` in earlier releases): the same constructor, the same
+`forward(_input, lin_weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
+old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)` with `_input` the last
+hidden states `[B, T, H]`, and the same return `(loss, metrics)`: `metrics = (kl, clip_ratio)` when `beta != 0`,
+`(clip_ratio,)` otherwise, each a mean over the active tokens. It needs torch only.
+
+`GRPOCoreTrainer` (needs the `trl` extra: trl 1.16) is TRL's `GRPOTrainer` training on our loss. TRL 1.16 builds no
+Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with its own chunked LM head
+(`add_fused_lm_head`) and applies the loss to the `[B, T]` log-probabilities. The subclass overrides `_compute_loss`
+alone: it runs the backbone for the hidden states of the completion positions and hands them, with the LM head's
+weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation trainer
+does. Generation, rewards, advantages and the old and reference log-probabilities stay TRL's. It logs TRL's `kl`
+(beta != 0) and `clip_ratio/region_mean`; not `entropy` nor the low / high clip ratios, which the loss does not
+compute.
+
+Not supported, refused with a `ValueError` naming the argument (the loss is the clipped surrogate plus the k3 KL
+under one token normalizer, nothing else): loss types other than grpo, bnpo, dr_grpo and dapo (cispo, sapo, luspo
+and vespo change the per-token loss); `importance_sampling_level='sequence'` (GSPO's sequence ratio); `delta` (a
+second clamp on the ratio); `use_bias_correction_kl=True` with `beta != 0` (the KL times the ratio; it is TRL
+1.16's default, so a TRL user with a KL term sets it False); `vllm_is_ratio` (vLLM's importance sampling
+correction). The trainer also refuses what needs the token entropies or a loss term of its own
+(`top_entropy_quantile`, `entropy_coef`, `use_adaptive_entropy`, `off_policy_mask_threshold`, a MoE router loss),
+logits that the model soft-caps or scales, and vision inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..linear import linear_grpo_loss
+
+__all__ = ["GRPOCoreTrainer", "GRPOLinearLoss"]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+class GRPOLinearLoss(torch.nn.Module):
+    """Liger's `LigerFusedLinearGRPOLoss` interface on `linear_grpo_loss`. `compiled` and `chunk_size` are accepted
+    and ignored (the op chunks the tokens itself); the SAPO and VESPO parameters only matter to loss types that are
+    refused. `use_ref_model=False` makes the KL term zero (Liger then compares the policy with itself)."""
+
+    def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
+                 epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
+                 max_completion_length: int | None = None, importance_sampling_level: str = "token",
+                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
+                 delta: float | None = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
+                 vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
+        super().__init__()
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r} "
+                             f"(cispo, sapo, luspo and vespo change the per-token loss, which grpo-core does not "
+                             f"compute); use Liger's or TRL's own loss for it")
+        if importance_sampling_level != "token":
+            raise ValueError(f"importance_sampling_level: expected 'token', got {importance_sampling_level!r} "
+                             f"(grpo-core computes the per-token ratio, not GSPO's sequence ratio)")
+        if delta is not None:
+            raise ValueError(f"delta: expected None, got {delta!r} (grpo-core has no second clamp on the ratio)")
+        if use_bias_correction_kl and beta != 0.0:  # TRL 1.16's default is True: set it False with beta != 0
+            raise ValueError(f"use_bias_correction_kl: expected False with beta={beta!r}, got True (grpo-core's KL "
+                             f"term is the k3 estimate, not multiplied by the ratio)")
+        if loss_type == "dr_grpo" and max_completion_length is None:
+            raise ValueError("max_completion_length: expected an int with loss_type='dr_grpo', got None")
+        self.beta, self.use_ref_model, self.loss_type = beta, use_ref_model, loss_type
+        self.epsilon_low, self.epsilon_high, self.temperature = epsilon_low, epsilon_high, temperature
+        self.max_completion_length = max_completion_length
+
+    def forward(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
+                attention_mask: torch.Tensor, advantages: torch.Tensor, bias: torch.Tensor | None = None,
+                ref_per_token_logps: torch.Tensor | None = None, old_per_token_logps: torch.Tensor | None = None,
+                ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+                ref_bias: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | float | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """`_input [B, T, H]`, `lin_weight [V, H]`, `selected_token_ids`, `attention_mask [B, T]`, `advantages [B]`.
+        `num_items_in_batch` (dapo): the active tokens of the whole generation batch, over all processes; the loss
+        is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this batch,
+        summed over the processes, over the world size)."""
+        if vllm_is_ratio is not None:
+            raise ValueError("vllm_is_ratio: expected None (grpo-core applies no vLLM importance sampling "
+                             "correction); set vllm_importance_sampling_correction=False")
+        use_ref = self.use_ref_model and self.beta != 0.0
+        if use_ref and ref_per_token_logps is None and ref_input is None:
+            raise ValueError("ref_per_token_logps / ref_input: expected one of them with use_ref_model=True and "
+                             "beta != 0, got neither")
+        if use_ref and ref_per_token_logps is not None:
+            ref_input = ref_weight = ref_bias = None  # Liger, too, uses the given log-probabilities
+        result = linear_grpo_loss(
+            _input, lin_weight, selected_token_ids, old_per_token_logps, None, attention_mask, bias=bias,
+            advantages=advantages, ref_logps=ref_per_token_logps if use_ref else None,
+            ref_hidden=ref_input if use_ref else None, ref_weight=ref_weight if use_ref else None,
+            ref_bias=ref_bias if use_ref else None, clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high,
+            beta=self.beta if use_ref else 0.0, temperature=self.temperature,
+            **self._normalizer(attention_mask, num_items_in_batch))
+        metrics = (result.clip_fraction,)
+        if self.beta != 0.0:
+            metrics = (result.kl_token_mean if use_ref else torch.zeros_like(result.clip_fraction), *metrics)
+        return result.loss, metrics
+
+    def _normalizer(self, mask: torch.Tensor, num_items_in_batch: Any) -> dict[str, Any]:
+        """The op's normalizer arguments for this loss type. Only dapo's can differ from this batch's own: TRL
+        divides by the generation batch's active tokens over the processes (`num_items_in_batch / world`)."""
+        if self.loss_type == "dr_grpo":
+            return {"loss_type": "dr_grpo", "max_completion_length": self.max_completion_length}
+        if self.loss_type != "dapo":
+            return {"loss_type": self.loss_type}
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if num_items_in_batch is None:
+            if world == 1:
+                return {"loss_type": "dapo"}
+            count = mask.sum().to(torch.float32)
+            dist.all_reduce(count)
+            num_items_in_batch = count
+        constant = max(float(num_items_in_batch) / world, 1.0)
+        return {"normalizer": "fixed_constant", "normalizer_constant": constant}
+
+
+def __getattr__(name: str) -> Any:
+    """`GRPOCoreTrainer` is built on first use, so that `GRPOLinearLoss` imports without TRL."""
+    if name == "GRPOCoreTrainer":
+        globals()[name] = cls = _grpo_core_trainer()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _grpo_core_trainer() -> type:
+    try:
+        from accelerate.utils import is_peft_model
+        from trl import GRPOTrainer
+        from trl.models.utils import _ForwardRedirection
+    except ImportError as exc:
+        raise ImportError(f"GRPOCoreTrainer needs TRL: pip install 'grpo-core[trl]' ({exc})") from exc
+
+    class GRPOCoreTrainer(GRPOTrainer):
+        """TRL's `GRPOTrainer` with grpo-core's fused linear GRPO loss: same arguments, same training loop, same
+        logged `loss`, `kl` and `clip_ratio/region_mean`. See the module docstring for what it refuses."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            a = self.args
+            for name, value, default in [("top_entropy_quantile", a.top_entropy_quantile, 1.0),
+                                         ("entropy_coef", a.entropy_coef, 0.0),
+                                         ("use_adaptive_entropy", a.use_adaptive_entropy, False),
+                                         ("off_policy_mask_threshold", a.off_policy_mask_threshold, None)]:
+                if value != default:
+                    raise ValueError(f"{name}: expected {default!r} with GRPOCoreTrainer, got {value!r} (grpo-core's "
+                                     f"loss computes neither the token entropies nor an off-policy mask)")
+            if self.use_vllm and self.vllm_importance_sampling_correction:
+                raise ValueError("vllm_importance_sampling_correction: expected False with GRPOCoreTrainer and "
+                                 "use_vllm=True, got True (grpo-core applies no vLLM importance sampling correction)")
+            if self.aux_loss_enabled:
+                raise ValueError(f"router_aux_loss_coef: expected 0.0 with GRPOCoreTrainer for a MoE model, got "
+                                 f"{self.router_aux_loss_coef!r} (the loss has no router term)")
+            config = self.model.config.get_text_config()
+            for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                         "logits_scaling"):
+                if getattr(config, name, None) not in (None, 1.0):
+                    raise ValueError(f"{name}: the model's config sets {getattr(config, name)!r}; GRPOCoreTrainer "
+                                     f"supports plain logits hidden @ lm_head.weight.T + bias only")
+            self.grpo_core_loss = GRPOLinearLoss(
+                beta=self.beta, use_ref_model=self.beta != 0.0, epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high, loss_type=self.loss_type,
+                max_completion_length=self.max_completion_length,
+                importance_sampling_level=self.importance_sampling_level, temperature=self.temperature,
+                delta=a.delta, use_bias_correction_kl=a.use_bias_correction_kl)
+            self.grpo_core_redirection = _ForwardRedirection()
+
+        def _compute_loss(self, model, inputs):
+            if inputs.get("pixel_values") is not None:
+                raise ValueError("pixel_values: GRPOCoreTrainer supports text-only models")
+            mode = "train" if self.model.training else "eval"
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+            num_items = inputs["num_items_in_batch"]
+            if mode == "train":  # TRL's dapo normalizer spans one accumulation window of the generation batch
+                num_items = num_items * accumulation / self.args.steps_per_generation
+            unwrapped = self.accelerator.unwrap_model(model)
+            loss, metrics = self.grpo_core_redirection(model, unwrapped, self._grpo_core_loss, unwrapped, inputs,
+                                                       num_items)
+            if self.loss_type != "dapo":  # dapo's normalizer already holds the accumulation (as in TRL)
+                loss = loss / accumulation
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            count = mask.sum().to(torch.float32)
+            for key, value in zip(["kl", "clip_ratio/region_mean"][-len(metrics):], metrics):
+                total, tokens = self.accelerator.reduce(torch.stack([value * count, count]), reduction="sum")
+                self._metrics[mode][key].append((total / tokens.clamp(min=1.0)).item())
+            return loss
+
+        def _grpo_core_loss(self, unwrapped, inputs, num_items):
+            """Backbone, then the fused linear loss on the completion positions (inside the wrapper's forward)."""
+            if is_peft_model(unwrapped):
+                unwrapped = unwrapped.base_model.model
+            completion_ids = inputs["completion_ids"]
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            with self.accelerator.autocast():
+                hidden = unwrapped.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                              use_cache=False).last_hidden_state
+            hidden = hidden[:, -completion_ids.size(1) - 1:-1]  # position t predicts token t + 1
+            head = unwrapped.get_output_embeddings()
+            weight, bias = head.weight, head.bias
+            if self.args.cast_lm_head_to_fp32:  # the matmul in fp32: the gradient flows back through the casts
+                hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            return self.grpo_core_loss(hidden, weight, completion_ids, mask, inputs["advantages"],
+                                       bias=bias, ref_per_token_logps=inputs.get("ref_per_token_logps"),
+                                       old_per_token_logps=inputs.get("old_per_token_logps"),
+                                       num_items_in_batch=num_items)
+
+    GRPOCoreTrainer.__module__, GRPOCoreTrainer.__qualname__ = __name__, "GRPOCoreTrainer"
+    return GRPOCoreTrainer

@@ -1,0 +1,551 @@
+"""The fused linear GRPO loss: from the last hidden states and the lm_head weight, never the `[B, T, V]` logits.
+
+    result = linear_grpo_loss(hidden, weight, action_ids, old_logps, rewards, completion_mask, beta=0.04,
+                              samples_per_prompt=4, ref_logps=ref_logps)       # loss, policy_loss, kl = result
+    result = LinearGRPOLossOp().apply(hidden, weight, ..., contract=contract, tp_group=..., dp_group=...)
+    logp = linear_logprobs(hidden, weight, action_ids, completion_mask)        # the loss's own log-probs
+
+This rank's active tokens go through in chunks of a fixed number of tokens. Per chunk, once: the logits
+`z = h W^T (+ b)` in fp32 (a `[chunk, local vocab]` buffer, the only one that scales with the vocabulary), the
+canonical tile statistics and log-sum-exp of `vocab_parallel_logprob.py` (gathered over TP), the log-probs, and,
+when a gradient is wanted, `dz = coef * (onehot - softmax)` (`canonical.token_coef`, the advantages and the
+normalizer's token weights being known before the pass), cast to the weight's dtype, then `dH = dz W` and
+`dW += dz^T h` (and the bias' column sums). Three matmuls per token, nothing recomputed; the gradients are ready
+when the forward returns and are scaled by `grad_output` in the backward (exact when it is 1.0, as after
+`loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in fp32 until then).
+
+The per-token log-probs then give the loss exactly as the logits op's deterministic path does (`canonical.py`: the
+token terms, `pair_sum` over `padded_seq_len`, per-sequence vectors gathered over DP, the normalizer). Every sum
+has a shape fixed by the contract:
+- a logit is a dot over H by the kernels' one fixed order, the same for any token, batch, chunk and shard;
+- vocabulary statistics: the canonical tiles, merged in global tile order over TP;
+- `dH`, a sum over the vocabulary: a left fold over the vocabulary in fixed steps, started from 0.0 on TP rank 0
+  and continued by each TP rank from the previous rank's partial sum (it travels by `broadcast`, exactly): the
+  same bits at every TP degree;
+- `dW`, a sum over this rank's active tokens: a left fold in token order, in fixed steps (TP never changes a rank's
+  tokens, so its rows are the same bits at every TP degree; DP changes the tokens, and summing the DP ranks' `dW`
+  is the trainer's gradient reduction);
+- the bias gradient: per chunk a `pair_sum` over the chunk's tokens, folded over the chunks.
+
+Two kernel sets compute that:
+- "torch" (any device; the CPU reference): each logit, each `dH` step of a vocabulary tile and each `dW` step of a
+  token block is a `canonical.pair_sum` of fp32 products (exact for bf16 inputs); IEEE `*` and `+` only, so the
+  bits are the same on every CPU and GPU (the portable golden);
+- "triton" (CUDA, or the interpreter): `triton/matmul.py`'s one fixed-configuration matmul on the tensor cores and
+  the row kernels of `triton/canonical.py`; the tensor cores' accumulation has no IEEE definition, so these bits
+  are per GPU architecture (an sm_90 golden), still the same at every layout, batch and position.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import canonical
+from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
+                       check_inputs, check_temperature, check_tensor, inverse_temperature, stand_in)
+from .distributed.grpo_loss import check_derived_advantages, gather_sequences
+from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
+from .distributed.vocab_parallel_logprob import gather_tile_stats, scaled
+from .result import GRPOLossResult, provenance
+
+__all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
+
+BACKEND_ID = "linear/1"
+TORCH_CHUNK = 256  # tokens per chunk of the torch kernels (the dW fold's step)
+TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels (a multiple of the matmul's BLOCK_K)
+MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
+_PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`[n, m]` fp32: each element the `pair_sum` over K of the fp32 products `a[i, k] * b[j, k]` (`a` `[n, K]`,
+    `b` `[m, K]`), in slices of about `_PRODUCTS` products (slicing never changes a bit)."""
+    a, b = a.float(), b.float()
+    (n, K), m = a.shape, b.shape[0]
+    out = torch.empty((n, m), dtype=torch.float32, device=a.device)
+    cols = max(1, min(m, _PRODUCTS // max(K, 1)))
+    rows = max(1, _PRODUCTS // (cols * max(K, 1)))
+    for j in range(0, m, cols):
+        for i in range(0, n, rows):
+            out[i:i + rows, j:j + cols] = canonical.pair_sum(a[i:i + rows, None, :] * b[None, j:j + cols, :])
+    return out
+
+
+class TorchKernels:
+    """The portable reference: IEEE `*` and `+` in fixed trees (see the module docstring)."""
+
+    name, chunk = "torch", TORCH_CHUNK
+
+    def logits(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        z = _dot(h, w)
+        return z if b is None else z + b.float()
+
+    def lse(self, z, ids, lp: LogprobContract, tp_group, inv) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = lp.local_bounds
+        m, s = canonical.tile_stats(scaled(z, inv), lp.tile_width)
+        local = ids - lo
+        owned = (local >= 0) & (local < hi - lo)
+        rows = torch.arange(z.shape[0], device=z.device)
+        selected = torch.where(owned, scaled(z[rows, local.clamp(0, hi - lo - 1)], inv), 0.0)
+        m, s, selected = gather_tile_stats(m, s, selected, ids, lp, tp_group)
+        return canonical.lse(*canonical.merge_stats(m, s)), selected
+
+    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, clip_lo, clip_hi, beta, inv, dtype) -> torch.Tensor:
+        lo_t, hi_t = canonical.fp32(clip_lo, z), canonical.fp32(clip_hi, z)
+        one = torch.ones_like(logp, dtype=torch.bool).unsqueeze(1)
+        ratio, _ = canonical.ratio_and_kl(logp.unsqueeze(1), None, old.unsqueeze(1), one)
+        coef = canonical.token_coef(ratio, logp.unsqueeze(1), None if logp_ref is None else logp_ref.unsqueeze(1),
+                                    adv, w, one, lo_t, hi_t, beta)
+        if inv != 1.0:
+            coef = coef * canonical.fp32(inv, coef)
+        cols = torch.arange(z.shape[1], device=z.device)
+        onehot = (cols == (ids - lo).unsqueeze(1)).to(torch.float32)
+        return (coef * (onehot - canonical.exp(scaled(z, inv) - lse.unsqueeze(1)))).to(dtype)
+
+    def dhidden(self, dz: torch.Tensor, w: torch.Tensor, acc: torch.Tensor, width: int) -> torch.Tensor:
+        for start in range(0, dz.shape[1], width):
+            acc = acc + _dot(dz[:, start:start + width], w[start:start + width].T)
+        return acc
+
+    def dweight(self, dz: torch.Tensor, h: torch.Tensor, acc: torch.Tensor) -> None:
+        acc += _dot(dz.T, h.T)
+
+
+class TritonKernels:
+    """Tensor cores: `triton/matmul.py` and the row kernels of `triton/canonical.py`."""
+
+    name, chunk = "triton", TRITON_CHUNK
+
+    def __init__(self) -> None:
+        from .triton import canonical as rows, matmul
+        self.rows, self.mm = rows, matmul.matmul
+
+    def logits(self, h, w, b):  # rows padded to 8 columns: 16-byte aligned, for the TMA loads of dz
+        V = w.shape[0]
+        z = torch.empty((h.shape[0], -(-V // 8) * 8), dtype=torch.float32, device=h.device)[:, :V]
+        return self.mm(h, w.T, z, bias=b)
+
+    def lse(self, z, ids, lp: LogprobContract, tp_group, inv):
+        mask = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
+        sel, stats = self.rows.row_stats(z, None, ids, mask, lp.local_bounds[0], lp.tile_width, inv)
+        m, s, sel = gather_tile_stats(stats[0, 0], stats[0, 1], sel[0], ids, lp, tp_group)
+        return self.rows.merge_lse(torch.stack([m, s])[None], mask)[0], sel
+
+    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, clip_lo, clip_hi, beta, inv, dtype):
+        """Written over `z`'s own rows (in a 16-bit dtype, into the first half of each row's bytes)."""
+        mask = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
+        one = torch.ones(1, dtype=torch.float32, device=z.device)
+        out = z.view(dtype)[:, :z.shape[1]]
+        return self.rows.grad(z, ids, mask.unsqueeze(1), logp, logp_ref, old, adv, w, lse, one, lo, clip_lo, clip_hi,
+                              beta, inv, out=out)
+
+    def dhidden(self, dz, w, acc, width):  # TP shards start on tiles: a K step that divides the tile width
+        return self.mm(dz, w, acc, accumulate=True, block_k=min(width, 64))
+
+    def dweight(self, dz, h, acc):  # pointer loads: the transposed TMA load was slower here (matmul.py)
+        self.mm(dz.T, h, acc, accumulate=True, tma=False)
+
+
+def _check_kernels(choice: Any) -> str:
+    if choice not in ("auto", "triton", "torch"):
+        raise LossContractError(f"kernels: expected 'auto', 'triton' or 'torch', got {choice!r}")
+    return choice
+
+
+def _kernels(choice: str, device: torch.device, width: int) -> TorchKernels | TritonKernels:
+    """The kernel set `choice` names ('auto': Triton for CUDA tensors when it imports and takes tiles of `width`)."""
+    _check_kernels(choice)
+    has_triton = importlib.util.find_spec("triton") is not None
+    fits = MIN_TRITON_TILE <= width <= 4096  # the dot's smallest K step; the row kernels' largest tile
+    if choice == "torch" or (choice == "auto" and not (device.type == "cuda" and has_triton and fits)):
+        return TorchKernels()
+    if not has_triton:
+        raise LossContractError("kernels: 'triton' needs the triton package (pip install '.[triton]'); use "
+                                "kernels='torch'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise LossContractError(f"kernels: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                                f"interpreter), got hidden on {device}; use kernels='torch'")
+    if not fits:
+        raise LossContractError(f"vocab_tile: the Triton kernels take tiles of {MIN_TRITON_TILE} to 4096 columns, got "
+                                f"{width}; use kernels='torch'")
+    return TritonKernels()
+
+
+def _fold_over_tp(local: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, lp: LogprobContract,
+                  tp_group: Any) -> torch.Tensor:
+    """`local(partial)` continued rank after rank in TP order from `start` (zeros): TP rank r receives rank r - 1's
+    partial sum by `broadcast` (an exact copy), continues it over its shard and sends it on; every rank returns the
+    last rank's. One rank: `local(start)`."""
+    tp = len(lp.vocab_shard_bounds)
+    if tp == 1:
+        return local(start)
+    group = tp_group if tp_group is not None else dist.group.WORLD
+    acc = start
+    for r in range(tp):
+        if r == lp.tp_rank:
+            acc = local(acc).contiguous()
+        dist.broadcast(acc, src=dist.get_global_rank(group, r), group=tp_group)
+    return acc
+
+
+def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_group, inv, grads=None, ref=None):
+    """The chunk loop over this rank's active tokens `rows` (flat indices into `hidden` `[tokens, H]`): returns
+    `(logp, logp_ref)` fp32 `[len(rows)]` (`logp_ref` None without `ref = (ref_hidden, ref_weight, ref_bias)`).
+    `grads`: `(coef_inputs(start, stop, logp, logp_ref) -> (old, adv, w), dh, dw, db)` to fill as it goes (`dh`
+    `[tokens, H]` in hidden's dtype, `dw` fp32 `[V_local, H]`, `db` fp32 `[V_local]` or None)."""
+    n = rows.numel()
+    logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    logp_ref = None if ref is None else torch.zeros_like(logp)
+    lo = lp.local_bounds[0]
+    for start in range(0, n, k.chunk):
+        stop = min(n, start + k.chunk)
+        r, a = rows[start:stop], ids[start:stop]
+        h = hidden[r]
+        z = k.logits(h, weight, bias)
+        lse, sel = k.lse(z, a, lp, tp_group, inv)
+        logp[start:stop] = sel - lse
+        if ref is not None:
+            z_ref = k.logits(ref[0][r], ref[1], ref[2])
+            lse_ref, sel_ref = k.lse(z_ref, a, lp, tp_group, inv)
+            del z_ref
+            logp_ref[start:stop] = sel_ref - lse_ref
+        if grads is None:
+            continue
+        inputs, dh, dw, db = grads
+        chunk_ref = None if logp_ref is None and inputs.ref is None else (
+            logp_ref[start:stop] if logp_ref is not None else inputs.ref[start:stop])
+        old = logp[start:stop] if inputs.old is None else inputs.old[start:stop]  # None: on-policy
+        adv, w = inputs.adv[start:stop], inputs.w[start:stop]
+        dz = k.dz(z, a, lo, lse, logp[start:stop], chunk_ref, old, adv, w, inputs.clip_lo, inputs.clip_hi,
+                  inputs.beta, inv, weight.dtype)
+        del z
+        if dh is not None:
+            zero = torch.zeros((stop - start, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+            dh[r] = _fold_over_tp(lambda acc: k.dhidden(dz, weight, acc, lp.tile_width), zero, lp, tp_group
+                                  ).to(dh.dtype)
+        if dw is not None:
+            k.dweight(dz, h, dw)
+        if db is not None:
+            db += canonical.pair_sum(dz.float(), 0)
+    return logp, logp_ref
+
+
+class _CoefInputs:
+    """What `dz` needs per active token besides the log-probs: fp32 `[n]` each."""
+
+    def __init__(self, old, adv, w, ref, clip_lo, clip_hi, beta):
+        self.old, self.adv, self.w, self.ref = old, adv, w, ref
+        self.clip_lo, self.clip_hi, self.beta = clip_lo, clip_hi, beta
+
+
+class _Grads(torch.autograd.Function):
+    """Forward: the loss, computed outside autograd with its gradients. Backward: those gradients times
+    `grad_output` (in fp32, rounded once to each input's dtype: the stored gradient itself when it is 1.0)."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grads):
+        ctx.grads = grads
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        g = grad_loss.to(torch.float32)
+        out = [None if t is None else (t.float() * g).to(dtype) for t, dtype in ctx.grads]
+        ctx.grads = None
+        return None, *out, None
+
+
+def _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps, n: int, T: int,
+                  vocab_local: int | None, beta: float) -> None:
+    """Types, shapes, dtypes and devices of the hidden-state arguments (the rest is `check_inputs`'s)."""
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight)
+    for name, t in (("bias", bias), ("ref_logps", ref_logps), ("ref_hidden", ref_hidden), ("ref_weight", ref_weight),
+                    ("ref_bias", ref_bias), ("old_logps", old_logps)):
+        check_tensor(name, t, optional=True)
+    if hidden.dim() != 3 or hidden.shape[:2] != (n, T):
+        raise LossContractError(f"hidden: expected a 3-D tensor [B, T, H] with [B, T] = {[n, T]}, got "
+                                f"{list(hidden.shape)}")
+    H = hidden.shape[2]
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise LossContractError(f"hidden: expected dtype float32, float16 or bfloat16, got {hidden.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] < 1:
+        raise LossContractError(f"weight: expected [V, H] with H = {H} like hidden's last dim, got "
+                                f"{list(weight.shape)}")
+    rows = weight.shape[0]
+    if vocab_local is not None and rows != vocab_local:
+        raise LossContractError(f"weight: expected {vocab_local} rows (this rank's vocabulary shard, from the "
+                                f"contract), got {list(weight.shape)}")
+    pairs = [("weight", weight, hidden, "hidden")]
+    if bias is not None:
+        pairs.append(("bias", bias, hidden, "hidden"))
+        if bias.shape != (rows,):
+            raise LossContractError(f"bias: expected shape [V] = [{rows}] like weight's rows, got {list(bias.shape)}")
+    if ref_logps is not None and ref_hidden is not None:
+        raise LossContractError("ref_logps / ref_hidden: expected at most one of them (given reference log-probs, or "
+                                "the reference model's hidden states), got both")
+    if beta != 0.0 and ref_logps is None and ref_hidden is None:
+        raise LossContractError(f"ref_logps / ref_hidden: one is required when beta > 0 (beta={beta}): pass the "
+                                f"reference log-probs [B, T] or the reference hidden states [B, T, H], or set beta=0")
+    if ref_hidden is None and (ref_weight is not None or ref_bias is not None):
+        raise LossContractError("ref_weight / ref_bias: only used with ref_hidden, which is None")
+    if ref_logps is not None:
+        if ref_logps.shape != (n, T) or not ref_logps.is_floating_point():
+            raise LossContractError(f"ref_logps: expected a floating tensor [B, T] = {[n, T]}, got "
+                                    f"{ref_logps.dtype} {list(ref_logps.shape)}")
+        pairs.append(("ref_logps", ref_logps, hidden, "hidden"))
+    if ref_hidden is not None:
+        if ref_hidden.shape != hidden.shape:
+            raise LossContractError(f"ref_hidden: expected shape {list(hidden.shape)} like hidden, got "
+                                    f"{list(ref_hidden.shape)}")
+        rw = weight if ref_weight is None else ref_weight
+        if rw.shape != weight.shape:
+            raise LossContractError(f"ref_weight: expected shape {list(weight.shape)} like weight, got "
+                                    f"{list(rw.shape)}")
+        pairs += [("ref_hidden", ref_hidden, hidden, "hidden"), ("ref_weight", rw, ref_hidden, "ref_hidden")]
+        if ref_bias is not None:
+            if ref_bias.shape != (rows,):
+                raise LossContractError(f"ref_bias: expected shape [{rows}] like weight's rows, got "
+                                        f"{list(ref_bias.shape)}")
+            pairs.append(("ref_bias", ref_bias, ref_hidden, "ref_hidden"))
+    for name, t, like, like_name in pairs:
+        if t.device != hidden.device:
+            raise LossContractError(f"{name}: expected device {hidden.device} like hidden, got {t.device}")
+        if t.is_floating_point() and name != "ref_logps" and t.dtype != like.dtype:
+            raise LossContractError(f"{name}: expected dtype {like.dtype} like {like_name} (one matmul dtype), got "
+                                    f"{t.dtype}")
+
+
+class LinearGRPOLossOp:
+    """`result = op.apply(hidden, weight, action_ids, old_logps, rewards, contract=..., completion_mask=...,
+    bias=None, ref_logps=None, ref_hidden=None, ref_weight=None, ref_bias=None, advantages=None, tp_group=None,
+    dp_group=None)`: the contract path of the fused linear loss, for vocab-parallel TP x DP.
+
+    Local tensors: `hidden` `[n_local, padded_seq_len, H]` (this rank's sequences; TP peers hold the same),
+    `weight` `[local vocab, H]` (this rank's rows of the lm_head, `contract.sharding.vocab_bounds`), `bias` its
+    `[local vocab]`; `action_ids`, `completion_mask`, `old_logps` `[n_local, padded_seq_len]` (`old_logps=None`:
+    on-policy, the old log-probs are the policy's own, so every ratio is exactly 1); `rewards` or `advantages=`
+    as the contract declares. The reference: `ref_logps` `[n_local, padded_seq_len]` (computed elsewhere, e.g. by
+    `linear_logprobs` of the reference model), or `ref_hidden` with `ref_weight` / `ref_bias` (default: the
+    policy's weight and bias), or neither when `contract.beta == 0`. The result covers the whole batch on every
+    rank; gradients flow into `hidden`, `weight` and `bias` (`weight` and `bias`: this rank's tokens' share, to be
+    summed over DP by the trainer).
+
+    `kernels`: "torch" (the portable reference), "triton" (tensor cores) or "auto" (Triton for CUDA tensors when
+    it imports). Bad values raise `LossContractError` in the call, on every rank.
+    """
+
+    backend = "linear"
+
+    def __init__(self, kernels: str = "auto") -> None:
+        self.kernels = _check_kernels(kernels)
+
+    def apply(self, hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,
+              old_logps: torch.Tensor | None = None, rewards: torch.Tensor | None = None, *,
+              contract: GRPOLossContract, completion_mask: torch.Tensor, bias: torch.Tensor | None = None,
+              ref_logps: torch.Tensor | None = None, ref_hidden: torch.Tensor | None = None,
+              ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+              advantages: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None) -> GRPOLossResult:
+        tensors = {"hidden": hidden, "weight": weight, "bias": bias, "action_ids": action_ids,
+                   "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
+                   "completion_mask": completion_mask, "ref_logps": ref_logps, "ref_hidden": ref_hidden,
+                   "ref_weight": ref_weight, "ref_bias": ref_bias}
+        chosen: list = []
+
+        def local_checks() -> torch.Tensor:  # inside the preflight: what one rank raises, every rank raises
+            s = contract.sharding
+            (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
+            T = contract.padded_seq_len
+            _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps,
+                          seq_hi - seq_lo, T, v_hi - v_lo, contract.beta)
+            chosen.append(_kernels(self.kernels, hidden.device, contract.vocab_tile))
+            logits = stand_in((seq_hi - seq_lo, T, v_hi - v_lo), hidden.dtype, hidden.device)
+            old = old_logps if old_logps is not None else torch.zeros(getattr(action_ids, "shape", ()),
+                                                                      device=hidden.device)
+            mask = check_inputs(logits, logits if contract.beta != 0.0 else None, action_ids, old, rewards,
+                                completion_mask, beta=contract.beta, vocab_size=contract.vocab_size,
+                                num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=advantages,
+                                advantages_input=contract.advantages_input)
+            if ref_logps is not None:
+                bad = mask & ~torch.isfinite(ref_logps.float())
+                if bool(bad.any()):
+                    raise LossContractError(f"ref_logps: expected finite values at active tokens, got non-finite at "
+                                            f"{torch.nonzero(bad)[:8].tolist()} (b, t)")
+            return mask
+
+        def replicated() -> str:  # what TP peers must share (the hidden states are not hashed: too large)
+            if contract.sharding.tp_world_size == 1:
+                return ""
+            active = completion_mask.bool()
+            given = None
+            if advantages is not None:
+                given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
+            return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
+                                     None if old_logps is None else torch.where(active, old_logps, 0), rewards, given,
+                                     None if ref_logps is None else torch.where(active, ref_logps, 0))
+
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
+        k = chosen[0]
+        s, lp = contract.sharding, contract.logprob_contract
+        seq_lo, seq_hi = s.sequence_bounds
+        n_local, T, H = hidden.shape
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        ids = action_ids.reshape(-1)[rows].long()
+        seq_of = rows // T
+        flat_mask = mask.reshape(-1)
+
+        counts = gather_sequences(mask.sum(-1), contract, dp_group)
+        if contract.advantages_input is AdvantagesInput.REWARDS:
+            rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
+            advantages_all = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
+            check_derived_advantages(advantages_all, rewards_all, contract.groups)  # every rank holds them
+            adv = advantages_all[seq_lo:seq_hi]
+        else:
+            given = advantages.detach().to(torch.float32, copy=True)
+            advantages_all = gather_sequences(given, contract, dp_group)
+            adv = canonical.used_advantages(given, mask)
+        adv_tok = adv[seq_of] if adv.dim() == 1 else adv.reshape(-1)[rows]
+        inv = inverse_temperature(contract.temperature)
+        clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
+        params = [t for t in (hidden, weight, bias) if t is not None]
+        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+        given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
+        ref = None if ref_hidden is None else (ref_hidden.detach().reshape(-1, H),
+                                               (weight if ref_weight is None else ref_weight).detach(),
+                                               (bias if ref_weight is None and ref_bias is None else ref_bias))
+        if ref is not None and ref[2] is not None:
+            ref = (ref[0], ref[1], ref[2].detach())
+        grads = None
+        if wants_grad:
+            w_tok = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi][seq_of]
+            old_tok = None if old_logps is None else old_logps.detach().reshape(-1)[rows].float()
+            inputs = _CoefInputs(old_tok, adv_tok, w_tok, given_ref, clip_lo, clip_hi, contract.beta)
+            dh = torch.zeros((n_local * T, H), dtype=hidden.dtype, device=hidden.device) if hidden.requires_grad else None
+            dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
+            db = None
+            if bias is not None and bias.requires_grad:
+                db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            grads = (inputs, dh, dw, db)
+        with torch.no_grad():
+            logp_rows, ref_rows = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
+                                              None if bias is None else bias.detach(), ids, rows, lp, tp_group, inv,
+                                              grads, ref)
+        if ref_rows is None:
+            ref_rows = given_ref
+        full = torch.zeros(n_local * T, dtype=torch.float32, device=hidden.device)
+        logp = full.index_put((rows,), logp_rows).view(n_local, T)
+        logp_ref = None if ref_rows is None else full.index_put((rows,), ref_rows).view(n_local, T)
+        old = logp if old_logps is None else old_logps.detach().to(torch.float32)
+        bad = ~torch.isfinite(logp_rows) if ref_rows is None else ~(torch.isfinite(logp_rows) & torch.isfinite(ref_rows))
+        flags = gather_sequences(torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(
+            0, seq_of, bad.long()), contract, dp_group)
+        if bool(flags.any()):
+            check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
+
+        lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
+        local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
+        sums = torch.stack([canonical.pair_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t)),
+                            canonical.pair_sum(kl_tok), local_ratio])
+        sums = gather_sequences(sums.T, contract, dp_group).T
+        clipped = gather_sequences(local_clipped, contract, dp_group)
+        per_seq_policy, per_seq_kl, per_seq_ratio = sums
+        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
+                                                  contract.normalizer, contract.normalizer_value)
+        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts)
+        if grads is not None:
+            _, dh, dw, db = grads
+            pairs = [None if dh is None else (dh.view(hidden.shape), hidden.dtype),
+                     None if dw is None else (dw, weight.dtype),
+                     None if db is None else (db, bias.dtype)]
+            loss = _Grads.apply(loss, hidden, weight, bias, [p if p is not None else (None, None) for p in pairs])
+        return GRPOLossResult(
+            loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy, per_sequence_kl=per_seq_kl,
+            advantages=advantages_all, per_sequence_active_tokens=counts, clip_fraction=clip_fraction,
+            mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
+            provenance=provenance(self.backend, hidden, backend_id=BACKEND_ID, kernels=k.name,
+                                  fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
+                                  tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
+                                  determinism_scope=contract.determinism_scope.value))
+
+
+def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,
+                     old_logps: torch.Tensor | None = None, rewards: torch.Tensor | None = None,
+                     completion_mask: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                     advantages: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                     ref_hidden: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+                     ref_bias: torch.Tensor | None = None, clip_eps: float = 0.2, clip_eps_high: float | None = None,
+                     beta: float = 0.04, temperature: float = 1.0, samples_per_prompt: int | None = None,
+                     group_boundaries: Any = None, normalizer: Any = None, normalizer_constant: float | None = None,
+                     loss_type: str | None = None, max_completion_length: int | None = None,
+                     advantage_std: Any = None, vocab_tile: int = DEFAULT_VOCAB_TILE,
+                     kernels: str = "auto") -> GRPOLossResult:
+    """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
+    make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
+    `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight)
+    check_tensor("action_ids", action_ids)
+    if hidden.dim() != 3 or weight.dim() != 2:
+        raise LossContractError(f"hidden / weight: expected [B, T, H] and [V, H], got {list(hidden.shape)} and "
+                                f"{list(weight.shape)}")
+    B, T, _ = hidden.shape
+    if completion_mask is None:
+        completion_mask = torch.ones((B, T), dtype=torch.bool, device=hidden.device)
+    kind = AdvantagesInput.REWARDS
+    if advantages is not None and isinstance(advantages, torch.Tensor):
+        kind = AdvantagesInput.TOKEN if advantages.dim() == 2 else AdvantagesInput.SEQUENCE
+    contract = GRPOLossContract(
+        num_sequences=B, padded_seq_len=T, vocab_size=weight.shape[0], clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+        beta=beta, samples_per_prompt=samples_per_prompt, group_boundaries=group_boundaries, normalizer=normalizer,
+        normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
+        advantages_input=kind, loss_type=loss_type, max_completion_length=max_completion_length,
+        vocab_tile=vocab_tile, determinism_scope="topology_invariant")
+    return LinearGRPOLossOp(kernels).apply(hidden, weight, action_ids, old_logps, rewards, contract=contract,
+                                           completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
+                                           ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
+                                           advantages=advantages)
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,
+                    completion_mask: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                    temperature: float = 1.0, vocab_tile: int = DEFAULT_VOCAB_TILE,
+                    contract: LogprobContract | None = None, tp_group: Any = None, kernels: str = "auto"
+                    ) -> torch.Tensor:
+    """Per-token log-probs fp32 `[B, T]` (0.0 at masked tokens) from `hidden` `[B, T, H]` and `weight` `[V, H]`
+    (with `contract`, a `LogprobContract` over `B * T` tokens: this TP rank's `[local vocab, H]` rows): the very
+    bits the loss computes for these tokens with the same kernels, so an old-policy or reference pass made with it
+    feeds the loss without drift. No gradient."""
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight)
+    if hidden.dim() != 3 or weight.dim() != 2:
+        raise LossContractError(f"hidden / weight: expected [B, T, H] and [V, H], got {list(hidden.shape)} and "
+                                f"{list(weight.shape)}")
+    B, T, H = hidden.shape
+    if contract is None:
+        contract = LogprobContract(vocab_size=weight.shape[0], tile_width=vocab_tile, num_tokens=B * T)
+    elif not isinstance(contract, LogprobContract) or contract.num_tokens != B * T:
+        raise LossContractError(f"contract: expected a LogprobContract with num_tokens = B * T = {B * T}, got "
+                                f"{contract!r}")
+    lo, hi = contract.local_bounds
+    _check_linear(hidden, weight, bias, None, None, None, None, None, B, T, hi - lo, 0.0)
+    if completion_mask is None:
+        completion_mask = torch.ones((B, T), dtype=torch.bool, device=hidden.device)
+    logits = stand_in((B, T, hi - lo), hidden.dtype, hidden.device)
+    mask = check_inputs(logits, None, action_ids, torch.zeros((B, T), device=hidden.device),
+                        torch.zeros(B, device=hidden.device), completion_mask, beta=0.0,
+                        vocab_size=contract.vocab_size)
+    inv = inverse_temperature(check_temperature(temperature))
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    ids = action_ids.reshape(-1)[rows].long()
+    with torch.no_grad():
+        logp, _ = _run_chunks(_kernels(kernels, hidden.device, contract.tile_width), hidden.detach().reshape(-1, H), weight.detach(),
+                              None if bias is None else bias.detach(), ids, rows, contract, tp_group, inv)
+    out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
+    return out.index_put((rows,), logp).view(B, T)

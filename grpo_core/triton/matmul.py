@@ -1,0 +1,132 @@
+"""One matmul with one fixed configuration, for the fused linear loss: `C = [C +] A @ B [+ bias]`, fp32 out.
+
+Every launch uses the same tile sizes, warps and stages, whatever the shapes, and walks K from 0 upward in steps
+of `block_k` with one fp32 accumulator per output tile (no split-K, no autotuning). So an output element's bits
+depend only on its row of A, its column of B and the accumulator it starts from, never on how many rows or columns
+the call has, where they sit, or the chunk they came in: a token's logits are the same bits in any batch and any
+vocabulary shard, and a sum over K continued from a stored accumulator (`accumulate=True`) is the sum the longer
+call would have made, provided the split falls on a multiple of `block_k` (vocabulary shards start on tiles;
+token chunks are multiples of `BLOCK_K`). How the tensor cores add within one step is the architecture's: these
+bits are per GPU architecture, not the canonical math's.
+
+Operands reach shared memory by the tensor memory accelerator on Hopper and later (`tma=True`, where the layout
+allows: 16-bit operands, rows 16-byte aligned), else by pointer loads; the tiles, the K order and the tensor-core
+instructions are the same either way, and so are the bits (`tests/test_linear.py` checks it on the GPU).
+
+Under the interpreter `tl.dot` is a BLAS call whose order of adds depends on a row's place in the tile (and which
+cannot take bf16): there each step adds the fp32 products one K after the other instead, on smaller tiles (the
+interpreter's largest block holds 2**20 elements).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# One H200 sweep (bf16, 4096 tokens x H 3584 x V 151936, TFLOP/s logits / dH / dW; torch.mm 721 / 675 / 678):
+# pointer loads 128x128x64 8 warps 3 stages 453 / 487 / 457, 128x256x64 575 / 623 / 616; TMA 128x256x64 3 stages
+# 672 / 659 / 597, 4 stages 663 / 668 / 616, 128x128x64 4 warps 4 stages 622 / 686 / 548.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_M, BLOCK_N, BLOCK_K = (32, 64, 64) if _INTERPRET else (128, 256, 64)  # the interpreter: its largest block
+NUM_WARPS, NUM_STAGES = 8, 3
+GROUP_M = 8  # output tiles walked in groups of rows (L2 reuse); the order of programs never changes a bit
+
+
+@triton.jit
+def _load(ptr, row0, col0, rows_left, cols_left, stride_r, stride_c, TMA: tl.constexpr, T: tl.constexpr,
+          R: tl.constexpr, C: tl.constexpr):
+    """The `[R, C]` block at (`row0`, `col0`) of an operand: by TMA from a descriptor over its row-major storage
+    (transposed storage, `T`: the block `[C, R]` at (`col0`, `row0`), then `.T`), or by masked pointer loads
+    (zeros past `rows_left` / `cols_left`)."""
+    if TMA:
+        if T:
+            return ptr.load([col0, row0]).T
+        return ptr.load([row0, col0])
+    r, c = tl.arange(0, R), tl.arange(0, C)
+    offs = (row0 + r).to(tl.int64)[:, None] * stride_r + (col0 + c).to(tl.int64)[None, :] * stride_c
+    return tl.load(ptr + offs, mask=(r[:, None] < rows_left) & (c[None, :] < cols_left), other=0.0)
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr,  # A [M, K] (pointer with strides, or a TMA descriptor over A's row-major storage: A_T for A^T's)
+    b_ptr,  # B [K, N] (likewise; B_T: over B^T's storage)
+    c_ptr,  # in/out: fp32 C [M, N] (ACCUMULATE: read first)
+    bias_ptr,  # [N] added once at the end (HAS_BIAS)
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    # Meta-parameters
+    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # under the interpreter: products in fp32, added in K order
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    rm = m0.to(tl.int64) + tl.arange(0, BLOCK_M)
+    rn = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ACCUMULATE:
+        acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = k * BLOCK_K
+        a = _load(a_ptr, m0, k0, M - m0, K - k0, stride_am, stride_ak, TMA, A_T, BLOCK_M, BLOCK_K)
+        b = _load(b_ptr, k0, n0, K - k0, N - n0, stride_bk, stride_bn, TMA, B_T, BLOCK_K, BLOCK_N)
+        if INTERPRETED:
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptrs, acc, mask=c_mask)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    """A TMA descriptor over `t` (or over `t.T` when that is the row-major one) and whether it is transposed, or
+    None when TMA cannot read it (16-bit data, 16-byte aligned rows, Hopper or later, not the interpreter)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if _INTERPRET or not t.is_cuda or t.element_size() != 2 or torch.cuda.get_device_capability(t.device)[0] < 9:
+        return None
+    for storage, transposed, shape in ((t, False, block), (t.T, True, block[::-1])):
+        if (storage.stride(1) == 1 and storage.data_ptr() % 16 == 0 and (storage.stride(0) * 2) % 16 == 0
+                and storage.shape[1] >= 8):
+            return TensorDescriptor.from_tensor(storage, shape), transposed
+    return None
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, accumulate: bool = False,
+           bias: torch.Tensor | None = None, block_k: int = BLOCK_K, tma: bool = True) -> torch.Tensor:
+    """`out = [out +] a @ b [+ bias]` with fp32 `out` `[M, N]`; `a` `[M, K]` and `b` `[K, N]` of one dtype, any
+    strides (pass transposed views, nothing is copied). fp32 inputs use IEEE fp32 products (no TF32). `block_k`
+    (16 to `BLOCK_K`, a power of two): the K step. `tma=False`: pointer loads (the same bits)."""
+    M, K = a.shape
+    N = b.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float32, device=a.device)
+    if not (M and N):
+        return out
+    da = _descriptor(a, [BLOCK_M, block_k]) if tma else None
+    db = _descriptor(b, [block_k, BLOCK_N]) if da is not None else None
+    use_tma = db is not None
+    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
+    _matmul_kernel[grid](da[0] if use_tma else a, db[0] if use_tma else b, out, bias if bias is not None else out,
+                         M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+                         ACCUMULATE=accumulate, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+                         TMA=use_tma, A_T=use_tma and da[1], B_T=use_tma and db[1], INTERPRETED=_INTERPRET,
+                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
+                         num_stages=NUM_STAGES)
+    return out

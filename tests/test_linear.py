@@ -1,0 +1,298 @@
+"""The fused linear loss: the materialized reference's numbers, its own log-probs' bits, and the same bits at every
+TP x DP layout, batch, position and padding, with both kernel sets (Triton under the interpreter on the CPU).
+
+Each invariance test also runs a planted change (a batch-dependent dot, a TP reduction that sums per-rank partials)
+and requires it to move a bit, so that the comparison is shown able to fail."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, bits
+from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, kernel_registry, linear
+from grpo_core.linear import LinearGRPOLossOp, linear_grpo_loss, linear_logprobs
+from harness.topology import Layout, run_world
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+KERNELS = ["torch", "triton"]
+FIELDS = ("loss", "policy_loss", "kl", "per_sequence_policy", "per_sequence_kl", "advantages",
+          "per_sequence_active_tokens", "clip_fraction", "mean_ratio", "kl_token_mean")
+
+
+def make(B=4, T=5, H=16, V=160, *, seed=0, dtype=torch.float32, wide=True, device=DEV, bias=True):
+    """Hidden states over many binary exponents (a reordered sum moves bits), a weight, ids, mask, rewards."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g)
+    if wide:
+        hidden = hidden * torch.exp2(torch.randint(-8, 3, (B, T, H), generator=g).float())
+    weight = torch.randn(V, H, generator=g) * 0.5
+    out = dict(hidden=hidden, weight=weight, ref_hidden=hidden + 0.1 * torch.randn(B, T, H, generator=g),
+               bias=torch.randn(V, generator=g) if bias else None, action_ids=torch.randint(0, V, (B, T), generator=g),
+               completion_mask=torch.rand(B, T, generator=g) < 0.8, rewards=torch.randn(B, generator=g))
+    out["completion_mask"][:, 0] = True
+    logits = out["hidden"] @ weight.T
+    own = torch.log_softmax(logits.double(), -1).gather(-1, out["action_ids"][..., None])[..., 0]
+    out["old_logps"] = (own + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    for k in ("hidden", "weight", "ref_hidden", "bias"):
+        if out[k] is not None:
+            out[k] = out[k].to(dtype)
+    return {k: None if v is None else v.to(device) for k, v in out.items()}
+
+
+def leaf(t):
+    return None if t is None else t.detach().clone().requires_grad_(True)
+
+
+def run(inp, kernels="torch", **options):
+    """`linear_grpo_loss` on fresh leaves: `(result, (d hidden, d weight, d bias))`."""
+    h, w, b = leaf(inp["hidden"]), leaf(inp["weight"]), leaf(inp["bias"])
+    res = linear_grpo_loss(h, w, inp["action_ids"], inp["old_logps"], inp["rewards"], inp["completion_mask"], bias=b,
+                           kernels=kernels, **{"samples_per_prompt": 2, "ref_hidden": inp["ref_hidden"], **options})
+    res.loss.backward()
+    return res, (h.grad, w.grad, None if b is None else b.grad)
+
+
+OPTIONS = [
+    dict(),
+    dict(beta=0.0, ref_hidden=None, loss_type="grpo", temperature=0.7),
+    dict(loss_type="dr_grpo", max_completion_length=9, clip_eps_high=0.28, advantage_std="unbiased_eps"),
+    dict(normalizer="per_sequence_then_mean", group_boundaries=(0, 3, 4), samples_per_prompt=None,
+         advantage_std="none"),
+    dict(rewards=None, advantages="token", samples_per_prompt=None, normalizer="fixed_constant",
+         normalizer_constant=7.0),
+    dict(old_logps=None, loss_type="bnpo", beta=0.1),
+]
+
+
+def _resolve(inp, over):
+    """The inputs and options of one OPTIONS entry (`advantages="token"`: a random [B, T] tensor)."""
+    inp, over = dict(inp), dict(over)
+    if over.get("advantages") == "token":
+        over["advantages"] = torch.randn(inp["action_ids"].shape, generator=torch.Generator().manual_seed(5)).to(DEV)
+    for key in ("rewards", "old_logps"):
+        if key in over:
+            inp[key] = over.pop(key)
+    return inp, over
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("over", OPTIONS, ids=lambda o: ",".join(o) or "defaults")
+def test_the_materialized_reference_gives_the_same_numbers(kernels, over):
+    """Against `h W^T + b` materialized and the native logits op (fp32 inputs, so only summation order differs)."""
+    inp, over = _resolve(make(wide=False), over)
+    res, grads = run(inp, kernels, **over)
+    h, w, b = leaf(inp["hidden"]), leaf(inp["weight"]), leaf(inp["bias"])
+    ref_hidden = over.pop("ref_hidden", inp["ref_hidden"])
+    ref_logits = None if ref_hidden is None else (ref_hidden @ inp["weight"].T + inp["bias"]).detach()
+    old = inp["old_logps"]
+    logits = h @ w.T + b
+    if old is None:  # on-policy: the old log-probs are the policy's own
+        old = torch.log_softmax(logits.detach().double() / over.get("temperature", 1.0), -1).gather(
+            -1, inp["action_ids"][..., None])[..., 0].float()
+    native = kernel_registry.get_op("grpo_loss", backend="native")
+    want = native(logits, ref_logits, inp["action_ids"], old, inp["rewards"], inp["completion_mask"],
+                  **{"samples_per_prompt": 2, **over})
+    want[0].backward()
+    for name, got, expected in zip(("loss", "policy_loss", "kl"), res, want):
+        assert_close_verbose(got, expected, atol=2e-5, rtol=2e-5, what=name)
+    for name, got, expected in zip("hwb", grads, (h.grad, w.grad, b.grad)):
+        assert_close_verbose(got, expected, atol=2e-6, rtol=1e-4, what=f"d {name}")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_its_own_logprobs_give_its_bits(kernels, dtype):
+    """`linear_logprobs` are the loss's log-probs: as `ref_logps` they give the `ref_hidden` run's bits, and as
+    `old_logps` the on-policy run's (every ratio exactly 1)."""
+    inp = make(dtype=dtype)
+    res, grads = run(inp, kernels, temperature=0.9)
+    ref_logps = linear_logprobs(inp["ref_hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"],
+                                bias=inp["bias"], temperature=0.9, kernels=kernels)
+    res2, grads2 = run(inp, kernels, temperature=0.9, ref_hidden=None, ref_logps=ref_logps)
+    for f in FIELDS:
+        assert_bitwise_equal(getattr(res2, f), getattr(res, f), f)
+    for a, b, name in zip(grads2, grads, "hwb"):
+        assert_bitwise_equal(a, b, f"d {name}")
+    own = linear_logprobs(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"], bias=inp["bias"],
+                          kernels=kernels)
+    on_policy, g1 = run({**inp, "old_logps": None}, kernels)
+    given, g2 = run({**inp, "old_logps": own}, kernels)
+    assert float(on_policy.mean_ratio) == 1.0
+    for f in FIELDS:
+        assert_bitwise_equal(getattr(given, f), getattr(on_policy, f), f)
+    for a, b, name in zip(g1, g2, "hwb"):
+        assert_bitwise_equal(a, b, f"d {name}")
+
+
+_LOGITS = linear.TorchKernels.logits
+
+
+def _planted_logits(self, h, w, b):
+    """A batch-dependent dot: the products summed left to right, not by the tree, when the chunk holds more than 8
+    tokens."""
+    if h.shape[0] <= 8:
+        return _LOGITS(self, h, w, b)
+    products = h.float()[:, None, :] * w.float()[None, :, :]
+    z = products[..., 0] + 0.0
+    for k in range(1, products.shape[-1]):
+        z = z + products[..., k]
+    return z if b is None else z + b.float()
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_sequence_gives_the_same_bits_alone_in_any_batch_at_any_position_under_any_padding(kernels):
+    """Per-sequence values and hidden-gradient rows of one sequence: alone (T = 5), and as sequence 2 of a batch of 4
+    padded to T = 8. Given advantages and a fixed normalizer constant make its token weights the batch's too."""
+    B, T, pad = 4, 5, 3
+    inp = make(B=B, T=T, seed=3)
+    over = dict(beta=0.04, normalizer="fixed_constant", normalizer_constant=16.0, samples_per_prompt=None)
+    adv = torch.randn(B, generator=torch.Generator().manual_seed(1)).to(DEV)
+    alone = {k: None if v is None else (v[1:2] if k not in ("weight", "bias") else v) for k, v in inp.items()}
+
+    def padded(t, fill):
+        return torch.cat([t, torch.full((B, pad, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)], 1)
+
+    batch = {k: None if v is None else (v.roll(1, 0) if k not in ("weight", "bias") else v) for k, v in inp.items()}
+    for k, fill in (("hidden", 3.0), ("ref_hidden", -2.0), ("action_ids", 7), ("completion_mask", False),
+                    ("old_logps", float("nan"))):
+        batch[k] = padded(batch[k], fill)
+
+    def both(logits=None):
+        with mock.patch.object(linear.TorchKernels, "logits", logits) if logits else contextlib.nullcontext():
+            one = run({**alone, "rewards": None}, kernels, advantages=adv[1:2], **over)
+            many = run({**batch, "rewards": None}, kernels, advantages=adv.roll(1, 0), **over)
+        return one, many
+
+    (one, g_one), (many, g_many) = both()
+    for f in ("per_sequence_policy", "per_sequence_kl", "per_sequence_active_tokens"):
+        assert_bitwise_equal(getattr(many, f)[2:3], getattr(one, f), f)
+    assert_bitwise_equal(g_many[0][2:3, :T], g_one[0], "d hidden rows")
+    assert not bits(g_many[0][:, T:]).any(), "padding tokens get exactly zero hidden gradient"
+    if kernels == "torch":  # the planted batch-dependent dot must move a bit (the comparison can fail)
+        (one, g_one), (many, g_many) = both(_planted_logits)
+        assert not torch.equal(bits(g_many[0][2:3, :T]), bits(g_one[0]))
+
+
+def _layout_run(ctx, inp, kernels, lay, over):
+    place = ctx.place(lay)
+    if place is None:
+        return None
+    B, T, _ = inp["hidden"].shape
+    V = inp["weight"].shape[0]
+    s = ShardingSpec.uniform(vocab_size=V, num_sequences=B, tp_world_size=lay.tp, dp_world_size=lay.dp,
+                             tp_rank=place.tp_rank, dp_rank=place.dp_rank, vocab_tile=32)
+    c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, beta=0.04, samples_per_prompt=2,
+                         vocab_tile=32, sharding=s, determinism_scope="topology_invariant", **over)
+    (lo, hi), (vlo, vhi) = s.sequence_bounds, s.vocab_bounds
+    h = inp["hidden"][lo:hi].to(ctx.device).requires_grad_(True)
+    w = inp["weight"][vlo:vhi].to(ctx.device).requires_grad_(True)
+    b = inp["bias"][vlo:vhi].to(ctx.device).requires_grad_(True)
+    res = LinearGRPOLossOp(kernels).apply(
+        h, w, inp["action_ids"][lo:hi].to(ctx.device), inp["old_logps"][lo:hi].to(ctx.device),
+        inp["rewards"][lo:hi].to(ctx.device), contract=c, completion_mask=inp["completion_mask"][lo:hi].to(ctx.device),
+        bias=b, ref_hidden=inp["ref_hidden"][lo:hi].to(ctx.device), tp_group=place.tp_group, dp_group=place.dp_group)
+    res.loss.backward()
+    return dict(fields={f: getattr(res, f).detach().cpu() for f in FIELDS}, dp=(lay.dp, place.dp_rank),
+                seqs=(lo, hi), vocab=(vlo, vhi), dh=h.grad.cpu(), dw=w.grad.cpu(), db=b.grad.cpu())
+
+
+def _planted_fold(local, start, lp, tp_group):
+    """What a float all-reduce does: each TP rank sums its own shard from zero, then the partials are added."""
+    import torch.distributed as dist
+    mine = local(torch.zeros_like(start))
+    if len(lp.vocab_shard_bounds) == 1:
+        return mine
+    parts = [torch.empty_like(mine) for _ in lp.vocab_shard_bounds]
+    dist.all_gather(parts, mine.contiguous(), group=tp_group)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+LAYOUTS = [Layout(1, 1), Layout(2, 1), Layout(3, 1), Layout(4, 1), Layout(1, 2), Layout(2, 2), Layout(1, 4)]
+
+
+def _world(ctx, kernels):
+    inp = make(B=4, T=4, H=16, V=200, seed=7, device="cpu")
+    out = {}
+    for name, over in (("default", {}), ("grpo_temperature", dict(loss_type="grpo", temperature=0.8))):
+        out[name] = [_layout_run(ctx, inp, kernels, lay, over) for lay in LAYOUTS]
+    with mock.patch.object(linear, "_fold_over_tp", _planted_fold):
+        out["planted"] = [_layout_run(ctx, inp, kernels, lay, {}) for lay in LAYOUTS]
+    return out
+
+
+def _compare(results, name):
+    """Per layout: the scalars and vectors equal the 1x1 run's; hidden-gradient rows too; weight and bias gradient
+    rows equal those of the TP = 1 run with the same DP layout. Returns the differences."""
+    runs = [[r[name][i] for r in results if r[name][i] is not None] for i in range(len(LAYOUTS))]
+    base = runs[0][0]
+    diffs = []
+    for lay, ranks in zip(LAYOUTS, runs):
+        for r in ranks:
+            for f in FIELDS:
+                if not torch.equal(bits(r["fields"][f]), bits(base["fields"][f])):
+                    diffs.append(f"{lay.name} {f}")
+            lo, hi = r["seqs"]
+            if not torch.equal(bits(r["dh"]), bits(base["dh"][lo:hi])):
+                diffs.append(f"{lay.name} d hidden")
+            same_dp = next(x for x in runs[LAYOUTS.index(Layout(1, lay.dp))] if x["dp"] == r["dp"])
+            vlo, vhi = r["vocab"]
+            for g in ("dw", "db"):
+                if not torch.equal(bits(r[g]), bits(same_dp[g][vlo:vhi])):
+                    diffs.append(f"{lay.name} {g}")
+    return diffs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_every_layout_gives_the_same_bits(kernels):
+    results = run_world(_world, 4, kernels, device=DEV, timeout_s=900, memory_fraction=0.1 if DEV == "cuda" else None)
+    assert _compare(results, "default") == []
+    assert _compare(results, "grpo_temperature") == []
+    planted = _compare(results, "planted")
+    assert planted and all("d hidden" in d for d in planted) and any("tp2" in d for d in planted), planted
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(weight=torch.zeros(160, 15)), r"weight: expected \[V, H\] with H = 16 like hidden's last dim, got \[160, 15\]"),
+    (dict(bias=torch.zeros(159)), r"bias: expected shape \[V\] = \[160\]"),
+    (dict(ref_hidden=None), r"ref_logps / ref_hidden: one is required when beta > 0"),
+    (dict(ref_logps=torch.zeros(4, 5)), r"ref_logps / ref_hidden: expected at most one"),
+    (dict(hidden="x"), r"hidden: expected a torch.Tensor, got str"),
+    (dict(weight_dtype=torch.bfloat16), r"weight: expected dtype torch.float32 like hidden"),
+    (dict(action_ids=torch.full((4, 5), 160)), r"action_ids: expected ids in \[0, 160\) at active tokens"),
+    (dict(old_logps=torch.full((4, 5), float("nan"))), r"old_logps: expected finite values at active tokens"),
+    (dict(ref_logps=torch.full((4, 5), float("inf")), ref_hidden=None),
+     r"ref_logps: expected finite values at active tokens"),
+    (dict(kernels="cuda"), r"kernels: expected 'auto', 'triton' or 'torch', got 'cuda'"),
+])
+def test_bad_inputs_name_the_argument(change, match):
+    inp = make(device="cpu")
+    kw = dict(bias=inp["bias"], ref_hidden=inp["ref_hidden"], samples_per_prompt=2, kernels="torch")
+    for key in ("ref_hidden", "ref_logps", "bias", "kernels"):
+        if key in change:
+            kw[key] = change.pop(key)
+    if "weight_dtype" in change:
+        inp["weight"] = inp["weight"].to(change.pop("weight_dtype"))
+    inp.update(change)
+    with pytest.raises(LossContractError, match=match):
+        linear_grpo_loss(inp["hidden"], inp["weight"], inp["action_ids"], inp["old_logps"], inp["rewards"],
+                         inp["completion_mask"], **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_run_to_run_on_the_gpu():
+    inp = make(B=8, T=64, H=256, V=5003, dtype=torch.bfloat16, wide=False)
+    first, g1 = run(inp, "triton")
+    second, g2 = run(inp, "triton")
+    for f in FIELDS:
+        assert_bitwise_equal(getattr(first, f), getattr(second, f), f)
+    for a, b, name in zip(g1, g2, "hwb"):
+        assert_bitwise_equal(a, b, f"d {name}")

@@ -1,0 +1,223 @@
+"""TRL's `GRPOTrainer` trained with TRL's own loss and with ours (`GRPOCoreTrainer`): the same logged numbers and
+the same parameters after every step, for loss_type grpo, bnpo, dr_grpo and dapo, with and without the KL term.
+
+Everything is local and on the CPU: a tiny randomly initialized Llama built from a config, a character-level
+tokenizer built with `tokenizers`, a six-prompt in-memory dataset, a toy reward. No hub access (offline mode is
+forced below). The `trl` extra (in `dev`) pins the versions; without TRL the file skips.
+
+One run shape serves every case: 4 optimizer steps of 2 accumulated micro-batches of 4 completions each, 2 micro-
+batches per generation and 2 iterations over each generation. So the old log-probs are given (the second pass over
+a batch has ratios away from 1, so tokens get clipped), the loss is scaled for the accumulation, dapo's normalizer
+is the generation batch's token count (not the micro-batch's: `GRPOLinearLoss`'s `num_items_in_batch` path) and
+two generations are made. A small vocabulary makes EOS likely, so completion lengths differ and the four token
+normalizers really differ. A temperature and an asymmetric clip range (DAPO's 0.2 / 0.28) check that those reach
+the loss. SGD (not Adam) keeps a parameter difference proportional to the gradient difference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_var, "1")  # read when huggingface_hub is imported: never reach the hub
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+trl = pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402  (after TRL's skip: both come with the `trl` extra)
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+
+from grpo_core.integrations.trl import GRPOCoreTrainer, GRPOLinearLoss  # noqa: E402
+
+# TRL 1.16 calls transformers 5.24's deprecated gradient_checkpointing names: their FutureWarnings, not ours
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+# Tolerances. fp32 throughout; the two sides compute the log-probs with different kernels (TRL: its chunked LM
+# head; ours: the canonical fixed-order dots and trees) and sum the token terms in different orders, so they agree
+# to a few fp32 ulps (measured: losses and KLs of 0.01-0.3 within 9e-8, parameters that moved by ~0.1 within
+# 6e-8). A loss or KL may differ by 1e-6 + 1e-5 * |value| (>10x the measured differences): the absolute part because
+# the first step's loss is a cancellation (its advantages sum to ~0: |loss| ~ 1e-8), the relative part because a
+# large k3 KL (exp of a log-prob difference) scales its rounding with it (seen: 1.1e-6 at a KL of 1.5, with a
+# learning rate of 1.0).
+# Parameters (SGD: a difference is the learning rate times a gradient difference): 1e-6. The clip ratio counts
+# tokens: it must be equal (one token across the clip bound would be a real divergence of 1 / tokens ~ 0.02).
+ATOL, RTOL = 1e-6, 1e-5
+PARAM_ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A 1-layer Llama (hidden 32, vocab 12) and its character tokenizer, saved to a folder: TRL loads the policy
+    and, with beta > 0, the reference model from that path."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>", *"abcdefgh", " "])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tokenizer.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def toy_reward(completions, **kwargs) -> list[float]:
+    """Varies within a group (the completions are random characters), so the advantages are not zero."""
+    return [sum(ord(ch) % 7 for ch in completion) / 8.0 + 0.1 * len(completion) for completion in completions]
+
+
+def train(model_path: str, out_dir, trainer_cls, *, loss_type: str, beta: float, num_iterations: int = 2):
+    """Trains 4 steps; returns the logged step records, the parameters after each step and the initial ones."""
+    args = trl.GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, seed=0, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=1, max_steps=4, optim="sgd", learning_rate=0.3,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=2, num_generations=4,
+        num_iterations=num_iterations, max_completion_length=8, loss_type=loss_type, beta=beta, temperature=0.9,
+        # TRL 1.16's default use_bias_correction_kl=True multiplies the KL by the ratio: not ours (see trl.py)
+        epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False)
+    dataset = Dataset.from_dict({"prompt": ["abc", "hag", "bead", "cafe", "dh", "g e"]})
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    trainer = trainer_cls(model=model_path, reward_funcs=toy_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    snapshots = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
+
+    trainer.add_callback(Snapshot())
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [record for record in trainer.state.log_history if "loss" in record]
+    assert len(logs) == len(snapshots) == 4
+    return logs, snapshots, initial
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def compare(theirs, ours, beta: float, on_policy: bool = False) -> dict:
+    """Asserts agreement step by step; returns the largest differences (printed with `-s`)."""
+    (logs_t, params_t, initial), (logs_o, params_o, _) = theirs, ours
+    keys = ["loss", "clip_ratio/region_mean"] + (["kl"] if beta else [])
+    worst = dict.fromkeys(keys + ["params"], 0.0)
+    for step, (lt, lo, pt, po) in enumerate(zip(logs_t, logs_o, params_t, params_o), start=1):
+        for key in keys:
+            diff = abs(lt[key] - lo[key])
+            worst[key] = max(worst[key], diff)
+            limit = 0.0 if key.startswith("clip_ratio") else ATOL + RTOL * abs(lt[key])
+            assert diff <= limit, f"step {step}: {key} {lt[key]!r} (TRL) vs {lo[key]!r} (ours), |diff| {diff:.3e}"
+        diff = max_param_diff(pt, po)
+        worst["params"] = max(worst["params"], diff)
+        assert diff <= PARAM_ATOL, f"step {step}: parameters differ by up to {diff:.3e}"
+    # Not vacuous: training moved the parameters, rewards varied within groups, losses are not zero, lengths differ
+    # (so the normalizers differ), and the second pass over a batch clipped tokens (and saw a KL).
+    assert max_param_diff(params_t[-1], initial) > 1e-2
+    assert all(record["frac_reward_zero_std"] < 1 for record in logs_t if "frac_reward_zero_std" in record)
+    assert max(abs(record["loss"]) for record in logs_t) > 1e-2
+    assert any(record["completions/min_length"] < record["completions/max_length"] for record in logs_t
+               if "completions/min_length" in record)
+    clipped = max(record["clip_ratio/region_mean"] for record in logs_t)
+    assert clipped == 0.0 if on_policy else clipped > 0  # on-policy, the ratio is exactly 1
+    if beta:
+        assert max(record["kl"] for record in logs_t) > 1e-3
+    return worst
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_trainer_matches_trl(tiny_model, tmp_path, loss_type, beta):
+    theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta)
+    ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta)
+    worst = compare(theirs, ours, beta)
+    print(f"{loss_type} beta={beta}: largest |TRL - ours|: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
+    """num_iterations=1, steps_per_generation <= accumulation: TRL passes no old log-probs (ratio exactly 1)."""
+    theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type="dapo", beta=0.04, num_iterations=1)
+    ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type="dapo", beta=0.04, num_iterations=1)
+    worst = compare(theirs, ours, 0.04, on_policy=True)
+    print("on-policy dapo beta=0.04: largest |TRL - ours|: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
+    """The comparison's premise: two identical TRL runs give the same bits (seeded sampling, CPU, fp32)."""
+    a, b = (train(tiny_model, tmp_path / name, trl.GRPOTrainer, loss_type="dapo", beta=0.04) for name in "ab")
+    assert [{k: v for k, v in r.items() if k != "step_time"} for r in a[0]] == \
+           [{k: v for k, v in r.items() if k != "step_time"} for r in b[0]]
+    for pa, pb in zip(a[1], b[1]):
+        assert all(torch.equal(pa[name], pb[name]) for name in pa)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(loss_type="cispo"), "loss_type"),
+    (dict(loss_type="sapo"), "loss_type"),
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(delta=2.0), "delta"),
+    (dict(use_bias_correction_kl=True, beta=0.04), "use_bias_correction_kl"),
+    (dict(loss_type="dr_grpo"), "max_completion_length"),
+])
+def test_linear_loss_refuses(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOLinearLoss(**kwargs)
+
+
+@pytest.mark.parametrize("option, value", [("top_entropy_quantile", 0.5), ("beta", 0.04)])
+def test_trainer_refuses_unsupported_options(tiny_model, tmp_path, option, value):
+    """`top_entropy_quantile` needs the token entropies; `beta != 0` with TRL 1.16's default
+    `use_bias_correction_kl=True` needs the KL times the ratio."""
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                          **{option: value})
+    dataset = Dataset.from_dict({"prompt": ["abc", "hag"]})
+    with pytest.raises(ValueError, match="top_entropy_quantile" if option != "beta" else "use_bias_correction_kl"):
+        GRPOCoreTrainer(model=tiny_model, reward_funcs=toy_reward, args=args, train_dataset=dataset,
+                        processing_class=PreTrainedTokenizerFast.from_pretrained(tiny_model))
+
+
+def test_linear_loss_liger_interface():
+    """Liger's metrics tuple: (kl, clip_ratio) with beta != 0, (clip_ratio,) without; the reference by its hidden
+    states gives what its log-probs give; use_ref_model=False makes the KL zero; vllm_is_ratio is refused."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 4, 5, 8, 16
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    ids, mask, adv = torch.randint(0, V, (B, T), generator=g), torch.rand(B, T, generator=g) < 0.8, torch.randn(B)
+    ref_hidden = hidden + 0.1 * torch.randn(B, T, H, generator=g)
+    ref_logps = torch.log_softmax(ref_hidden @ weight.T, -1).gather(-1, ids[..., None])[..., 0]
+    by_logps = GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_per_token_logps=ref_logps)
+    by_input = GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_input=ref_hidden, ref_weight=weight)
+    assert len(by_logps[1]) == 2 and by_logps[1][0] > 0
+    assert math.isclose(by_logps[0].item(), by_input[0].item(), rel_tol=1e-5)
+    assert math.isclose(by_logps[1][0].item(), by_input[1][0].item(), rel_tol=1e-5)
+    loss, metrics = GRPOLinearLoss(beta=0.04, use_ref_model=False)(hidden, weight, ids, mask, adv)
+    plain, plain_metrics = GRPOLinearLoss(beta=0.0)(hidden, weight, ids, mask, adv)
+    assert metrics[0].item() == 0.0 and loss.item() == plain.item() and len(plain_metrics) == 1
+    with pytest.raises(ValueError, match="vllm_is_ratio"):
+        GRPOLinearLoss(beta=0.0)(hidden, weight, ids, mask, adv, vllm_is_ratio=torch.ones(B))
+
+
+def test_loss_module_imports_without_trl():
+    """`GRPOLinearLoss` needs torch only: the module imports, and the loss runs, with TRL and transformers
+    unimportable."""
+    code = ("import sys; sys.modules.update(trl=None, transformers=None, accelerate=None)\n"
+            "import torch; from grpo_core.integrations.trl import GRPOLinearLoss\n"
+            "x = torch.randn(2, 3, 4, requires_grad=True)\n"
+            "loss, m = GRPOLinearLoss(beta=0.0)(x, torch.randn(5, 4), torch.zeros(2, 3, dtype=torch.long),"
+            " torch.ones(2, 3), torch.tensor([1.0, -1.0]))\n"
+            "loss.backward(); assert x.grad is not None and m[0].item() >= 0.0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
