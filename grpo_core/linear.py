@@ -346,6 +346,11 @@ class LinearGRPOLossOp:
     def __init__(self, kernels: str = "auto") -> None:
         self.kernels = _check_kernels(kernels)
 
+    @staticmethod
+    def _token_sum(terms: torch.Tensor) -> torch.Tensor:
+        """Each sequence's token sum (a fixed tree over `padded_seq_len`)."""
+        return canonical.pair_sum(terms)
+
     def apply(self, hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,
               old_logps: torch.Tensor | None = None, rewards: torch.Tensor | None = None, *,
               contract: GRPOLossContract, completion_mask: torch.Tensor, bias: torch.Tensor | None = None,
@@ -451,8 +456,8 @@ class LinearGRPOLossOp:
         lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
-        sums = torch.stack([canonical.pair_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t)),
-                            canonical.pair_sum(kl_tok), local_ratio])
+        sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t)),
+                            self._token_sum(kl_tok), local_ratio])
         sums = gather_sequences(sums.T, contract, dp_group).T
         clipped = gather_sequences(local_clipped, contract, dp_group)
         per_seq_policy, per_seq_kl, per_seq_ratio = sums

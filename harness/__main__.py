@@ -7,7 +7,10 @@
   goldens  record the goldens (explicit: never a side effect of `run`)
 
 There is one golden set for every platform: the canonical math gives the same bits on every machine and on the
-CPU and the GPU, so a golden recorded anywhere must hold everywhere.
+CPU and the GPU, so a golden recorded anywhere must hold everywhere. The one exception: the fused linear scenarios
+run by the Triton kernels on a GPU, whose logits come from the tensor cores (no IEEE definition, no CPU twin): their
+goldens are per GPU architecture, in a set beside the canonical one (`golden/sm_90` for the H200). With the torch
+kernels (the CPU, or `--kernels torch`) they take the canonical set's, like every other scenario.
 """
 
 from __future__ import annotations
@@ -48,6 +51,23 @@ def _scenarios(args) -> list[str]:
     if unknown:
         raise UsageError(f"--scenarios: expected names from {list(SCENARIOS)}, got {unknown}")
     return names
+
+
+def golden_sets(args, names: list[str]) -> list[tuple[Path, list[str]]]:
+    """`(folder, the scenarios whose golden it holds)`: the canonical set, and for the fused linear scenarios on a GPU
+    with the Triton kernels the set of this GPU's architecture beside it."""
+    canonical = Path(args.golden_dir)
+    linear = [n for n in names if SCENARIOS[n].linear]
+    if args.device != "cuda" or args.kernels == "torch" or not linear:
+        return [(canonical, names)]
+    major, minor = torch.cuda.get_device_capability()
+    return [(canonical, [n for n in names if n not in linear]), (canonical.parent / f"sm_{major}{minor}", linear)]
+
+
+def _record_cmd(args, folder: Path, served: list[str]) -> str:
+    extra = "" if folder == Path(args.golden_dir) else f" --kernels {args.kernels} --scenarios {','.join(served)}"
+    return (f"nox -s goldens -- --device {args.device}{extra}   (or python -m harness goldens --device "
+            f"{args.device}{extra})")
 
 
 def _check_device(args) -> None:
@@ -102,16 +122,26 @@ def cmd_run(args) -> int:
     if args.plant_drift is not None and args.plant_drift not in lays:
         raise UsageError(f"--plant-drift: expected one of this run's layouts ({', '.join(lays)}), got "
                          f"{args.plant_drift}")
-    record_cmd = f"nox -s goldens -- --device {args.device}   (or python -m harness goldens --device {args.device})"
-    golden_dir = Path(args.golden_dir)
-    try:  # before the world starts: a damaged golden fails at once
-        loaded = verify_golden(golden_dir)
-    except TableError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"FAIL: golden {err}\nThe golden set in {golden_dir} is damaged or is not this code's. Restore it "
-                  f"(git checkout {golden_dir}) or record it again with: {record_cmd}", file=sys.stderr)
-            print("determinism: FAILED (1 problem)")
-        return 1
+    sets = [(folder, served) for folder, served in golden_sets(args, names) if served]
+    record_cmd = " / ".join(_record_cmd(args, folder, served) for folder, served in sets)
+    parts, recorded, empty = [], {}, []
+    for golden_dir, served in sets:
+        try:  # before the world starts: a damaged golden fails at once
+            got = verify_golden(golden_dir)
+        except TableError as err:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"FAIL: golden {err}\nThe golden set in {golden_dir} is damaged or is not this code's. Restore "
+                      f"it (git checkout {golden_dir}) or record it again with: "
+                      f"{_record_cmd(args, golden_dir, served)}", file=sys.stderr)
+                print("determinism: FAILED (1 problem)")
+            return 1
+        if got is None:
+            empty.append(str(golden_dir))
+            continue
+        parts.append(got[0][got[0]["scenario"].isin(served)])
+        recorded.update({k: v for k, v in got[1].items() if k in served})
+    loaded = (pd.concat(parts, ignore_index=True), recorded) if parts else None
+    golden_dir = " and ".join(str(folder) for folder, _ in sets)
     out = _record(args, names, lays, world)
     if out is None:  # a torchrun rank other than 0
         return 0
@@ -127,7 +157,7 @@ def cmd_run(args) -> int:
     recorded: dict = {}
     if loaded is None:
         table["vs_golden"] = "no golden"
-        failures.append(f"no golden under {golden_dir}/; record one with: {record_cmd}")
+        failures.append(f"no golden under {golden_dir}; record one with: {record_cmd}")
         gold = topo.iloc[:0]
     else:
         golden, recorded = loaded
@@ -200,24 +230,31 @@ def cmd_goldens(args) -> int:
         raise UsageError(f"--allow-dirty: expected a clean working tree or the flag, got uncommitted changes "
                          f"({commit}); commit first, so that the manifest names the code that recorded the goldens")
     platform = platform_name(args.device)
-    folder = Path(args.golden_dir)
-    part = set(names) != set(SCENARIOS)
-    if part:  # the other files stay: the set must be sound and of this platform
-        try:
-            existing = verify_golden(folder)
-        except TableError as err:
-            raise UsageError(f"--scenarios: expected every scenario, since {folder} fails a check ({err}); got "
-                             f"{args.scenarios}") from None
-        if existing is not None and read_manifest(folder)["platform"] != platform:
-            raise UsageError(f"--scenarios: expected every scenario, since {folder} was recorded on "
-                             f"{read_manifest(folder)['platform']} and this is {platform}; got {args.scenarios}")
-        part = existing is not None
+    sets = [(folder, served) for folder, served in golden_sets(args, names) if served]
+    keep = {}
+    for i, (folder, served) in enumerate(sets):
+        holds = golden_sets(args, list(SCENARIOS))[i][1]  # every scenario whose golden this set holds
+        part = set(served) != set(holds)
+        if part:  # the other files stay: the set must be sound and of this platform
+            try:
+                existing = verify_golden(folder)
+            except TableError as err:
+                raise UsageError(f"--scenarios: expected every scenario, since {folder} fails a check ({err}); got "
+                                 f"{args.scenarios}") from None
+            if existing is not None and read_manifest(folder)["platform"] != platform:
+                raise UsageError(f"--scenarios: expected every scenario, since {folder} was recorded on "
+                                 f"{read_manifest(folder)['platform']} and this is {platform}; got {args.scenarios}")
+            part = existing is not None
+        keep[folder] = part
     out = _record(args, names, [SINGLE], 1)
     if out is None:
         return 0
-    write_goldens(folder, pd.DataFrame(out["rows"]), provenance=out["provenance"], platform=platform,
-                  command="python -m harness goldens " + " ".join(sys.argv[2:]), keep_others=part)
-    print(f"wrote {plural(len(names), 'golden')} to {folder}" + (" (the other files of the set kept)" if part else ""))
+    rows = pd.DataFrame(out["rows"])
+    for folder, served in sets:
+        write_goldens(folder, rows[rows["scenario"].isin(served)], provenance=out["provenance"], platform=platform,
+                      command="python -m harness goldens " + " ".join(sys.argv[2:]), keep_others=keep[folder])
+        print(f"wrote {plural(len(served), 'golden')} to {folder}"
+              + (" (the other files of the set kept)" if keep[folder] else ""))
     return 0
 
 

@@ -27,10 +27,9 @@ import torch.nn.functional as F
 
 from grpo_core.contract import MATH_VERSION
 from grpo_core import raise_pending
-from grpo_core.distributed import DistributedGRPOLossOp
 
 from .cli import UsageError
-from .scenarios import SCENARIOS, RegroupedTokenSumOp, Scenario
+from .scenarios import SCENARIOS, Scenario
 from .topology import Layout, RankContext
 
 SCALARS = ("loss", "policy_loss", "kl")
@@ -61,7 +60,7 @@ def bit_pattern(t: torch.Tensor) -> list[int]:
 def _gather_grad_digests(grad: torch.Tensor, contract, tp_group, dp_group) -> list[str]:
     """Per-sequence SHA-256 of the full gradient row block `[T, V]` in global vocab order (exact gathers only)."""
     bounds = contract.sharding.vocab_shard_bounds
-    if len(bounds) > 1:
+    if len(bounds) > 1 and tp_group is not None:  # None: a gradient every TP rank holds whole
         widths = [hi - lo for lo, hi in bounds]
         padded = F.pad(grad, (0, max(widths) - grad.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in widths]
@@ -78,19 +77,29 @@ def _gather_grad_digests(grad: torch.Tensor, contract, tp_group, dp_group) -> li
 
 
 def run_case(scn: Scenario, inputs: dict, layout: Layout, tp_rank: int, dp_rank: int, tp_group, dp_group,
-             device: torch.device, op: DistributedGRPOLossOp) -> list[dict]:
-    """Runs one scenario on one layout (this rank's part) and returns its rows."""
+             device: torch.device, op) -> list[dict]:
+    """Runs one scenario on one layout (this rank's part) and returns its rows. The gradient digested is that of
+    the logits, or for a linear scenario that of the hidden states (`[T, hidden]` per sequence, the same on every
+    TP rank)."""
     c = scn.contract(layout.tp, layout.dp, tp_rank, dp_rank)
     (lo, hi), (vlo, vhi) = c.sharding.sequence_bounds, c.sharding.vocab_bounds
-    x = inputs["policy_logits"][lo:hi, :, vlo:vhi].to(device).clone().requires_grad_(True)
-    ref = inputs["ref_logits"]
-    res = op.apply(x, inputs["action_ids"][lo:hi].to(device), inputs["old_logps"][lo:hi].to(device),
-                   inputs["rewards"][lo:hi].to(device), contract=c,
-                   completion_mask=inputs["completion_mask"][lo:hi].to(device),
-                   ref_local_logits=None if ref is None else ref[lo:hi, :, vlo:vhi].to(device),
-                   tp_group=tp_group, dp_group=dp_group)
+
+    def mine(name: str, vocab: bool = False) -> torch.Tensor | None:
+        t = inputs[name]
+        return None if t is None else (t[vlo:vhi] if vocab else t[lo:hi]).to(device)
+
+    common = dict(contract=c, completion_mask=mine("completion_mask"), tp_group=tp_group, dp_group=dp_group)
+    if scn.linear:
+        x = mine("hidden").requires_grad_(True)
+        res = op.apply(x, mine("weight", True), mine("action_ids"), mine("old_logps"), mine("rewards"),
+                       bias=mine("bias", True), ref_hidden=mine("ref_hidden"), ref_logps=mine("ref_logps"), **common)
+    else:
+        x = inputs["policy_logits"][lo:hi, :, vlo:vhi].to(device).clone().requires_grad_(True)
+        ref = inputs["ref_logits"]
+        res = op.apply(x, mine("action_ids"), mine("old_logps"), mine("rewards"),
+                       ref_local_logits=None if ref is None else ref[lo:hi, :, vlo:vhi].to(device), **common)
     res.loss.backward()
-    digests = _gather_grad_digests(x.grad, c, tp_group, dp_group)
+    digests = _gather_grad_digests(x.grad, c, None if scn.linear else tp_group, dp_group)
     rows, fp, topo = [], c.fingerprint(), layout.name
     for f in SCALARS:
         t = getattr(res, f)
@@ -119,7 +128,7 @@ def world_run(ctx: RankContext, scenario_names: list[str], layout_names: list[st
         for lay in lays:
             place = ctx.place(lay)
             if place is not None:
-                op = RegroupedTokenSumOp() if lay.name == plant_drift else DistributedGRPOLossOp(kernels)
+                op = scn.op(kernels, planted=lay.name == plant_drift)
                 got = run_case(scn, inputs, lay, place.tp_rank, place.dp_rank, place.tp_group, place.dp_group,
                                ctx.device, op)
                 if ctx.rank == 0:
@@ -143,12 +152,12 @@ def world_run(ctx: RankContext, scenario_names: list[str], layout_names: list[st
 def _guard(scn: Scenario, inputs: dict, device: torch.device, kernels: str) -> str | None:
     """A scenario's own sanity check; returns an error string, or None when it holds."""
     if scn.wide:  # the vacuity guard: regrouping the token sum must visibly change bits on these inputs
-        base = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp(kernels))
-        moved = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, RegroupedTokenSumOp())
+        base = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, scn.op(kernels))
+        moved = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, scn.op(kernels, planted=True))
         if all(a["bits"] == b["bits"] for a, b in zip(base, moved) if a["field"] == "per_sequence_policy"):
             return "vacuous: regrouping the token sum changed no per-sequence bit on the wide-exponent inputs"
     if scn.identity:
-        rows = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, DistributedGRPOLossOp(kernels))
+        rows = run_case(scn, inputs, Layout(1, 1), 0, 0, None, None, device, scn.op(kernels))
         kl_bits = [r["bits"] for r in rows if r["field"] in ("kl", "per_sequence_kl")]
         if any(kl_bits):
             return "identity: KL is not exactly 0.0 with reference == policy"

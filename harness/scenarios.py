@@ -1,5 +1,7 @@
 """Named, seeded scenarios whose inputs have the same bits on every machine, torch version and CPU code path.
 
+Scenarios with `hidden > 0` run the fused linear loss (`grpo_core.linear`) from hidden states and an lm_head weight.
+
 torch's own samplers are not portable (`torch.randn` takes another code path under `ATEN_CPU_CAPABILITY=default`
 and goes through vector exp / log / cos), so the inputs are built from integers only: NumPy's legacy
 `RandomState` stream (frozen by NumPy's policy), turned into floats by exact operations. `old_logps` are the
@@ -14,6 +16,7 @@ import torch
 
 from grpo_core import GRPOLossContract, ShardingSpec
 from grpo_core.distributed import DistributedGRPOLossOp, VocabParallelLogprobOp
+from grpo_core.linear import LinearGRPOLossOp, linear_logprobs
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,19 @@ class Scenario:
     wide: bool = False  # logits over many binary exponents: the vacuity guard
     empty: tuple[int, ...] = ()  # sequences without an active token
     identity: bool = False  # reference == policy, old_logps == the policy's own log-probs
+    hidden: int = 0  # > 0: the fused linear loss, from hidden states [S, T, hidden] and a weight [vocab, hidden]
+    reference: str = "hidden"  # linear: the reference as 'hidden' states or as given 'logps'
+    temperature: float = 1.0
+
+    @property
+    def linear(self) -> bool:
+        return self.hidden > 0
+
+    def op(self, kernels: str, planted: bool = False):
+        """The loss op of this scenario (`planted`: the regrouped token sum, the gate's drift control)."""
+        if self.linear:
+            return RegroupedLinearOp(kernels) if planted else LinearGRPOLossOp(kernels)
+        return RegroupedTokenSumOp() if planted else DistributedGRPOLossOp(kernels)
 
     def contract(self, tp: int = 1, dp: int = 1, tp_rank: int = 0, dp_rank: int = 0) -> GRPOLossContract:
         sharding = ShardingSpec.uniform(vocab_size=self.vocab, num_sequences=self.num_sequences, tp_world_size=tp,
@@ -41,10 +57,12 @@ class Scenario:
             num_sequences=self.num_sequences, padded_seq_len=self.seq_len, vocab_size=self.vocab,
             clip_eps=self.clip[0], clip_eps_high=self.clip[1], beta=self.beta, normalizer=self.normalizer,
             normalizer_constant=self.normalizer_constant, advantage_std=self.advantage_std, sharding=sharding,
-            determinism_scope="topology_invariant", **self.groups)
+            temperature=self.temperature, determinism_scope="topology_invariant", **self.groups)
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
         """Global inputs on the CPU (the same bits on every platform)."""
+        if self.linear:
+            return self._linear_inputs()
         S, T, V = self.num_sequences, self.seq_len, self.vocab
         rng = np.random.RandomState(self.seed)
         policy = 2.0 * normalish(rng, (S, T, V))
@@ -64,6 +82,35 @@ class Scenario:
             ref, old = policy, own.view(S, T)
         return dict(policy_logits=policy, ref_logits=ref if self.beta > 0 else None, action_ids=ids, old_logps=old,
                     rewards=normalish(rng, (S,)), completion_mask=mask)
+
+
+    def _linear_inputs(self) -> dict[str, torch.Tensor | None]:
+        """Hidden states, a weight and a bias; `old_logps` are the canonical (torch kernels') log-probs plus noise;
+        the reference as hidden states or as their log-probs (`reference='logps'`)."""
+        S, T, V, H = self.num_sequences, self.seq_len, self.vocab, self.hidden
+        rng = np.random.RandomState(self.seed)
+        dtype = getattr(torch, self.dtype)
+        hidden = normalish(rng, (S, T, H))
+        if self.wide:
+            hidden = hidden * torch.exp2(torch.from_numpy(rng.randint(-8, 3, (S, T, H))).float())
+        weight = (0.25 * normalish(rng, (V, H))).to(dtype)
+        bias = normalish(rng, (V,)).to(dtype)
+        ref_hidden = (hidden + 0.1 * normalish(rng, (S, T, H))).to(dtype)
+        hidden = hidden.to(dtype)
+        ids = torch.from_numpy(rng.randint(0, V, (S, T))).long()
+        mask = uniform(rng, (S, T)) < 0.85
+        mask[:, 0] = True
+        mask[list(self.empty)] = False
+        own = linear_logprobs(hidden, weight, ids, mask, bias=bias, temperature=self.temperature, kernels="torch")
+        out = dict(hidden=hidden, weight=weight, bias=bias, action_ids=ids,
+                   old_logps=own + 0.25 * normalish(rng, (S, T)), rewards=normalish(rng, (S,)), completion_mask=mask,
+                   ref_hidden=None, ref_logps=None)
+        if self.beta > 0:
+            ref_logps = linear_logprobs(ref_hidden, weight, ids, mask, bias=bias, temperature=self.temperature,
+                                        kernels="torch")
+            out["ref_logps" if self.reference == "logps" else "ref_hidden"] = (
+                ref_logps if self.reference == "logps" else ref_hidden)
+        return out
 
 
 def uniform(rng: np.random.RandomState, shape: tuple[int, ...]) -> torch.Tensor:
@@ -91,6 +138,11 @@ SCENARIOS = {s.name: s for s in [
     Scenario("bf16_logits", vocab=1031, seed=8, dtype="bfloat16"),
     Scenario("wide_exponent", vocab=4099, seed=9, wide=True, groups={"group_boundaries": (0, 3, 5, 8)}),
     Scenario("identity", vocab=1000, seed=10, identity=True),
+    Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
+    Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
+             normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),
+    Scenario("linear_beta0_per_sequence", vocab=1024, seed=13, hidden=32, beta=0.0, empty=(2,),
+             normalizer="per_sequence_then_batch_mean", clip=(0.2, 0.28)),
 ]}
 
 
@@ -107,3 +159,9 @@ class RegroupedTokenSumOp(DistributedGRPOLossOp):
         for t in range(1, terms.shape[-1]):
             total = total + terms[..., t]
         return total
+
+
+class RegroupedLinearOp(LinearGRPOLossOp):
+    """The same planted drift for the fused linear loss."""
+
+    _token_sum = staticmethod(RegroupedTokenSumOp._token_sum)
