@@ -296,3 +296,22 @@ def test_run_to_run_on_the_gpu():
         assert_bitwise_equal(getattr(first, f), getattr(second, f), f)
     for a, b, name in zip(g1, g2, "hwb"):
         assert_bitwise_equal(a, b, f"d {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tma_and_pointer_loads_give_the_same_bits(dtype):
+    """The matmul's two ways of loading operands (`triton/matmul.py`) feed the same tiles to the same instructions,
+    for each of the three products the loss runs (logits, dH, dW), with ragged edges."""
+    from grpo_core.triton.matmul import matmul
+    g = torch.Generator(device="cuda").manual_seed(0)
+    C, H, V = 1000, 520, 3000
+    h = torch.randn(C, H, device="cuda", generator=g).to(dtype)
+    w = torch.randn(V, H, device="cuda", generator=g).to(dtype)
+    dz = (torch.randn(C, V, device="cuda", generator=g) * 1e-2).to(dtype)
+    for a, b, acc, block_k in ((h, w.T, False, 64), (dz, w, True, 32), (dz.T, h, True, 64)):
+        start = torch.randn(a.shape[0], b.shape[1], device="cuda", generator=g)
+        one = matmul(a, b, start.clone() if acc else None, accumulate=acc, block_k=block_k, tma=True)
+        two = matmul(a, b, start.clone() if acc else None, accumulate=acc, block_k=block_k, tma=False)
+        assert_bitwise_equal(one, two, f"{tuple(a.shape)} @ {tuple(b.shape)}")

@@ -43,11 +43,14 @@ def _load(ptr, row0, col0, rows_left, cols_left, stride_r, stride_c, TMA: tl.con
     (zeros past `rows_left` / `cols_left`)."""
     if TMA:
         if T:
-            return ptr.load([col0, row0]).T
-        return ptr.load([row0, col0])
-    r, c = tl.arange(0, R), tl.arange(0, C)
-    offs = (row0 + r).to(tl.int64)[:, None] * stride_r + (col0 + c).to(tl.int64)[None, :] * stride_c
-    return tl.load(ptr + offs, mask=(r[:, None] < rows_left) & (c[None, :] < cols_left), other=0.0)
+            block = ptr.load([col0, row0]).T
+        else:
+            block = ptr.load([row0, col0])
+    else:
+        r, c = tl.arange(0, R), tl.arange(0, C)
+        offs = (row0 + r).to(tl.int64)[:, None] * stride_r + (col0 + c).to(tl.int64)[None, :] * stride_c
+        block = tl.load(ptr + offs, mask=(r[:, None] < rows_left) & (c[None, :] < cols_left), other=0.0)
+    return block
 
 
 @triton.jit
