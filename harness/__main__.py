@@ -30,7 +30,7 @@ import torch
 from .cli import UsageError, harness_parser, positive_int, under_torchrun, usage_error
 from .diff import (SINGLE, cells_of, compare, describe_cell, differences, drift_first, format_differences, plural,
                    summarize, topology_differences)
-from .golden import read_manifest, verify_golden, write_goldens
+from .golden import PORTABLE, TENSOR_CORES, read_manifest, verify_golden, write_goldens
 from .record import TableError, git_commit, load_run, read_table, world_run, write_table
 from .scenarios import SCENARIOS
 from .topology import layouts, run_torchrun, run_world
@@ -251,8 +251,10 @@ def cmd_goldens(args) -> int:
         return 0
     rows = pd.DataFrame(out["rows"])
     for folder, served in sets:
+        bits = PORTABLE if folder == Path(args.golden_dir) else TENSOR_CORES.format(arch=folder.name)
         write_goldens(folder, rows[rows["scenario"].isin(served)], provenance=out["provenance"], platform=platform,
-                      command="python -m harness goldens " + " ".join(sys.argv[2:]), keep_others=keep[folder])
+                      command="python -m harness goldens " + " ".join(sys.argv[2:]), keep_others=keep[folder],
+                      bits=bits)
         print(f"wrote {plural(len(served), 'golden')} to {folder}"
               + (" (the other files of the set kept)" if keep[folder] else ""))
     return 0

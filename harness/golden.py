@@ -92,11 +92,16 @@ def verify_golden(folder: Path) -> tuple[pd.DataFrame, dict[str, dict]] | None:
     return pd.concat(frames, ignore_index=True), provenance
 
 
+PORTABLE = "portable: the canonical math, the same bits on every CPU and GPU"
+TENSOR_CORES = ("per GPU architecture ({arch}): the fused linear scenarios with the Triton kernels, whose logits, dH "
+                "and dW come from the tensor cores (grpo_core/triton/matmul.py); no CPU computes them")
+
+
 def write_goldens(folder: Path, rows: pd.DataFrame, *, provenance: dict, platform: str, command: str,
-                  keep_others: bool) -> None:
+                  keep_others: bool, bits: str = PORTABLE) -> None:
     """Writes one table per scenario of `rows` and the manifest. With `keep_others`, the set's files of other
     scenarios stay, with their manifest entries (the caller has verified the set and its platform); without, they go.
-    """
+    `bits`: where the set's bits hold (the manifest says it)."""
     folder.mkdir(parents=True, exist_ok=True)
     names = set(rows["scenario"])
     kept = read_manifest(folder)["files"] if keep_others else {}
@@ -108,6 +113,6 @@ def write_goldens(folder: Path, rows: pd.DataFrame, *, provenance: dict, platfor
         path = folder / f"{name}.parquet"
         write_table(part.to_dict("records"), path, {"provenance": provenance, "platform": platform})
         files[path.name] = {"sha256": sha256(path), "fingerprint": part["fingerprint"].iloc[0]}
-    manifest = {"platform": platform, "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(
+    manifest = {"bits": bits, "platform": platform, "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "command": command, "provenance": provenance, "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from harness.record import read_table, write_table
+from harness.scenarios import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "golden" / "canonical"
@@ -265,9 +266,15 @@ TAMPERS = {  # name: (tamper, the check that must name it)
 
 
 def test_checked_in_golden_verifies():
-    from harness.golden import verify_golden
+    """The canonical set holds every scenario; the H200's set (sm_90) the fused linear ones, each saying where its
+    bits hold."""
+    from harness.golden import PORTABLE, read_manifest, verify_golden
     rows, provenance = verify_golden(GOLDEN)
-    assert rows["scenario"].nunique() == 10 and set(provenance) == set(rows["scenario"])
+    assert set(rows["scenario"]) == set(SCENARIOS) and set(provenance) == set(rows["scenario"])
+    assert read_manifest(GOLDEN)["bits"] == PORTABLE
+    rows, _ = verify_golden(GOLDEN.parent / "sm_90")
+    assert set(rows["scenario"]) == {n for n, s in SCENARIOS.items() if s.linear}
+    assert read_manifest(GOLDEN.parent / "sm_90")["bits"].startswith("per GPU architecture (sm_90)")
 
 
 @pytest.mark.parametrize("name", list(TAMPERS))
@@ -311,7 +318,7 @@ def test_recording_some_goldens_keeps_the_others(tmp_path):
     proc = python_m("harness", "goldens", "--scenarios", "identity", "--allow-dirty", "--golden-dir", str(gold))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     files = _manifest(gold)["files"]
-    assert sorted(files) == sorted(p.name for p in gold.glob("*.parquet")) and len(files) == 10
+    assert sorted(files) == sorted(p.name for p in gold.glob("*.parquet")) and len(files) == len(SCENARIOS)
     for name, entry in files.items():
         assert entry["sha256"] == hashlib.sha256((gold / name).read_bytes()).hexdigest(), name
     old, _ = read_table(GOLDEN / "identity.parquet")
