@@ -57,7 +57,9 @@ __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
 
 BACKEND_ID = "linear/1"
 TORCH_CHUNK = 256  # tokens per chunk of the torch kernels (the dW fold's step)
-TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels (a multiple of the matmul's BLOCK_K)
+TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the matmul's K step: an fp32 [4096, V]
+# buffer (2.5 GB at V = 151936). No bit depends on it (dW's fold continues across chunks on K-step boundaries);
+# 2048 halves the buffer but reads and writes the fp32 dW accumulator twice as often (4.4 GB a chunk at H = 3584)
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -197,8 +199,8 @@ def _fold_over_tp(local: Callable[[torch.Tensor], torch.Tensor], start: torch.Te
 def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_group, inv, grads=None, ref=None):
     """The chunk loop over this rank's active tokens `rows` (flat indices into `hidden` `[tokens, H]`): returns
     `(logp, logp_ref)` fp32 `[len(rows)]` (`logp_ref` None without `ref = (ref_hidden, ref_weight, ref_bias)`).
-    `grads`: `(coef_inputs(start, stop, logp, logp_ref) -> (old, adv, w), dh, dw, db)` to fill as it goes (`dh`
-    `[tokens, H]` in hidden's dtype, `dw` fp32 `[V_local, H]`, `db` fp32 `[V_local]` or None)."""
+    `grads`: `(inputs, dh, dw, db)`, the `_CoefInputs` of the rows and the gradients to fill as it goes (`dh`
+    `[tokens, H]` in hidden's dtype, `dw` fp32 `[V_local, H]`, `db` fp32 `[V_local]`; each None when not wanted)."""
     n = rows.numel()
     logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     logp_ref = None if ref is None else torch.zeros_like(logp)
@@ -246,7 +248,8 @@ class _CoefInputs:
 
 class _Grads(torch.autograd.Function):
     """Forward: the loss, computed outside autograd with its gradients. Backward: those gradients times
-    `grad_output` (in fp32, rounded once to each input's dtype: the stored gradient itself when it is 1.0)."""
+    `grad_output` (in fp32, rounded once to each input's dtype: the stored gradient itself when it is 1.0). It runs
+    once: the stored gradients are scaled in place and handed over."""
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, grads):
@@ -255,8 +258,11 @@ class _Grads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.grads is None:
+            raise RuntimeError("the fused linear loss's backward runs once (its gradients are computed in the forward "
+                               "and handed over): call the loss again for another backward")
         g = grad_loss.to(torch.float32)
-        out = [None if t is None else (t.float() * g).to(dtype) for t, dtype in ctx.grads]
+        out = [None if t is None else t.mul_(g).to(dtype) for t, dtype in ctx.grads]  # in place: no second copy
         ctx.grads = None
         return None, *out, None
 
