@@ -122,3 +122,19 @@ def test_cuda_memory_fraction_outside_zero_one_is_refused(value, capsys):
     with pytest.raises(SystemExit):
         main(["run", "--cuda-memory-fraction", value])
     assert f"--cuda-memory-fraction: expected a fraction in (0, 1], got {value}" in capsys.readouterr().err
+
+
+def test_a_linear_scenario_holds_its_golden_and_a_planted_drift_fails_it(tmp_path):
+    """The fused linear loss through the gate: identical at every layout and to the canonical golden (torch kernels
+    on the CPU), and the regrouped token sum planted at tp2xdp1 moves only that layout's per-sequence values."""
+    name = "linear_wide_ref_logps_dr_grpo"
+    assert SCENARIOS[name].linear and SCENARIOS[name].wide
+    clean = harness("run", "--max-world", "2", "--scenarios", name, "--out", str(tmp_path / "clean"))
+    assert clean.returncode == 0 and "vs golden: identical=3" in clean.stdout, clean.stdout + clean.stderr
+    planted = harness("run", "--max-world", "2", "--scenarios", name, "--plant-drift", "tp2xdp1", "--out",
+                      str(tmp_path / "planted"))
+    assert planted.returncode == 1
+    df, _ = read_table(tmp_path / "planted" / "run.parquet")
+    diffs = topology_differences(df)
+    assert set(diffs["topology"]) == {"tp2xdp1"} and "per_sequence_policy" in set(diffs["field"])
+    assert "grad_digest" not in set(diffs["field"])  # the token sum is not in the hidden states' gradient
