@@ -21,7 +21,7 @@ from grpo_core import GRPOLossContract, LossContractError, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-EXAMPLES = int(os.environ.get("GRPO_PROPERTY_EXAMPLES", 200 if HAS_CUDA else 12))
+EXAMPLES = int(os.environ.get("GRPO_PROPERTY_EXAMPLES", 200 if HAS_CUDA else 20))
 TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 BAD = ["id_high", "id_negative", "old_nan", "reward_inf", "mask_two", "logit_nan", "logit_inf", "action_minus_inf",
        "ref_nan", "advantage_nan"]
