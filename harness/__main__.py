@@ -268,9 +268,10 @@ def cmd_goldens(args) -> int:
     folder = _golden_dir(args)
     commit = git_commit()
     if (commit == "unknown" or not from_checkout()) and not args.allow_no_git:
-        raise UsageError(f"--allow-no-git: expected a harness run from a git checkout or the flag, got {ROOT}, which is "
-                         f"{'installed' if not from_checkout() else 'in no git checkout'}; the manifest names the commit "
-                         f"that recorded the goldens, and goldens belong in a checkout, committed")
+        where = "installed" if not from_checkout() else "in no git checkout"
+        raise UsageError(f"--allow-no-git: expected a harness run from a git checkout or the flag, got {ROOT}, which "
+                         f"is {where}; the manifest names the commit that recorded the goldens, and goldens belong "
+                         f"in a checkout, committed")
     if commit.endswith("-dirty") and not args.allow_dirty:
         raise UsageError(f"--allow-dirty: expected a clean working tree or the flag, got uncommitted changes "
                          f"({commit}); commit first, so that the manifest names the code that recorded the goldens")

@@ -183,9 +183,9 @@ def study_verdict(vector_moved: int, loss_moved: int) -> str:
     if hidden > 0:
         return (f"In {plural(hidden, 'seed')} the per-sequence vector moved and the scalar loss did not: there, "
                 "comparing only the scalar would have hidden the drift.")
-    return ("The scalar loss moved in every seed in which the vector moved: on these inputs the scalar alone would have "
-            "caught the drift (the vector still says which sequences moved, and by how many ULP). Many sequences of "
-            "few tokens (--sequences 256 --tokens 16) are where the scalar can stay put.")
+    return ("The scalar loss moved in every seed in which the vector moved: on these inputs the scalar alone would "
+            "have caught the drift (the vector still says which sequences moved, and by how many ULP). Many sequences "
+            "of few tokens (--sequences 256 --tokens 16) are where the scalar can stay put.")
 
 
 def regroup_study(seeds: int, out: Path, seq_len: int = 128, vocab: int = 1000, sequences: int = 8) -> dict:

@@ -93,8 +93,8 @@ def test_installed_gate_needs_a_golden_set_and_records_none_by_accident(wheel, t
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "a_file").write_text("")
-    refused = {(): "--golden-dir: expected the folder of a golden set, e.g. a checkout's golden/canonical (this harness "
-                   f"is installed, in {site}, and ships no golden set), got nothing",
+    refused = {(): "--golden-dir: expected the folder of a golden set, e.g. a checkout's golden/canonical (this "
+                   f"harness is installed, in {site}, and ships no golden set), got nothing",
                ("--golden-dir", "absent"): "--golden-dir: expected a folder holding a golden set, got absent (no such "
                                            "folder)",
                ("--golden-dir", "a_file"): "got a_file (a file)",
