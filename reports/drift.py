@@ -26,7 +26,8 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
-from harness.diff import cells_of, compare, drift_first, format_differences, plural, summarize  # noqa: E402
+from harness.diff import (cells_of, compare, contract_differences, drift_first, format_differences, plural,  # noqa: E402
+                          summarize)
 from harness.record import load_run  # noqa: E402
 from harness.scenarios import RegroupedTokenSumOp, Scenario  # noqa: E402
 
@@ -146,6 +147,11 @@ def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
         if absent.any():
             verdict += (f"; {plural(int(absent.sum()), 'cell')} with rows on one side only (listed under Missing on "
                         f"one side): missing, not drift")
+    contracts = contract_differences(a, b)
+    if len(contracts):  # whatever the bits say: not the same experiment
+        verdict = (f"the contracts differ in {plural(len(contracts), 'cell')} (" + ", ".join(
+            f"{c.scenario} {c.topology}" for c in contracts.head(8).itertuples()) + "): not the same experiment; "
+            + verdict)
     _write(out, "Drift report", [
         ("Runs", f"A = {a_path} (planted: {_planted(meta_a)})\nB = {b_path} (planted: {_planted(meta_b)})\n{verdict}",
          prov, None),

@@ -105,6 +105,10 @@ def test_diff_fails_on_cells_whose_contracts_differ(runs, tmp_path, capsys):
                                             "contracts differ in 1 cell (different contracts are not the same "
                                             "experiment)")
     assert re.search(r"identity\s+tp2xdp1\s+contract differs\s", proc.stdout)
+    from reports.drift import drift_report
+    drift_report(str(runs["clean"]), str(tmp_path / "other"), tmp_path / "report")
+    assert ("the contracts differ in 1 cell (identity tp2xdp1): not the same experiment; identical"
+            in (tmp_path / "report" / "report.md").read_text())
 
 
 def _without(df: pd.DataFrame, what: str) -> pd.DataFrame:
