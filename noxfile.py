@@ -63,8 +63,9 @@ def _install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite on the CPU (pytest-xdist); extra arguments go to pytest."""
     _install(session, "dev")
-    # Without CUDA, tests/conftest.py runs the Triton kernels under TRITON_INTERPRET=1.
-    session.run("python", "-m", "pytest", "-n", "auto", *session.posargs)
+    # Without CUDA, tests/conftest.py runs the Triton kernels under TRITON_INTERPRET=1. `--dist loadscope`: a test
+    # module stays on one worker, so a module's world of processes (a fixture) starts once, not once per worker.
+    session.run("python", "-m", "pytest", "-n", "auto", "--dist", "loadscope", *session.posargs)
 
 
 @nox.session

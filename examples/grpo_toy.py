@@ -16,14 +16,19 @@ the reference, and several optimizer steps per rollout move the ratio off 1 so t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn as nn
+try:
+    import torch
+    import torch.nn as nn
+except ModuleNotFoundError as exc:  # the system python3, say: one line, not a traceback
+    sys.exit(f"grpo_toy.py: error: {exc.name}: expected an interpreter with grpo-core installed (torch), got "
+             f"{sys.executable}, which lacks it; see the README's \"Which Python\"")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpo_core import GRPOLossContract, kernel_registry  # noqa: E402
@@ -143,6 +148,33 @@ def machine(device: str) -> str:
             f"torch {torch.__version__}")
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every mistake in the arguments is one line naming the argument (exit code 2), before anything runs."""
+    if args.steps < 1:
+        p.error(f"--steps: expected an integer >= 1, got {args.steps}")
+    if args.threads < 0:
+        p.error(f"--threads: expected an integer >= 0, got {args.threads}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device: expected cpu or cuda[:index], got {args.device}")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        n = torch.cuda.device_count()
+        p.error(f"--device: expected cpu{f' or cuda:0 to cuda:{n - 1}' if n else ''} (torch {torch.__version__} sees "
+                f"{n} CUDA device{'' if n == 1 else 's'} here), got {args.device}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device: expected cpu or cuda[:index], got {args.device}")
+    if args.backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            p.error("--backend: expected native or nothing (triton is not installed here), got triton")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--backend: expected native or nothing with --device cpu (the Triton kernels need CUDA, or "
+                    "TRITON_INTERPRET=1 for the CPU interpreter), got triton")
+    if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
+        p.error(f"--plot: expected a file in an existing folder, got {args.plot} (no folder "
+                f"{Path(args.plot).resolve().parent})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
@@ -158,16 +190,17 @@ def main() -> None:
     p.add_argument("--contract", action="store_true", help="use get_loss_op(contract) instead of get_op")
     p.add_argument("--plot", default=None, help="write the reward curve to this PNG")
     args = p.parse_args()
-    if args.threads < 0:
-        p.error(f"--threads: expected an integer >= 0, got {args.threads}")
+    check_args(p, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     hist = train(steps=args.steps, backend=args.backend, device=args.device, normalizer=args.normalizer,
                  beta=args.beta, clip_eps=args.clip, seed=args.seed, contract=args.contract)
-    first = sum(h["reward"] for h in hist[:10]) / min(10, len(hist))
-    last = sum(h["reward"] for h in hist[-10:]) / min(10, len(hist))
+    n = min(10, max(1, len(hist) // 2))  # the first and last n steps, apart when there are 2 or more
+    first = sum(h["reward"] for h in hist[:n]) / n
+    last = sum(h["reward"] for h in hist[-n:]) / n
     ms = 1e3 * sorted(h["seconds"] for h in hist)[len(hist) // 2]
-    print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}; median step {ms:.1f} ms "
+    steps = "step" if n == 1 else f"{n} steps"
+    print(f"mean reward: first {steps} {first:.3f}, last {steps} {last:.3f}; median step {ms:.1f} ms "
           f"({machine(args.device)})")
     if args.plot:
         import matplotlib

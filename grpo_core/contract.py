@@ -113,8 +113,8 @@ def check_float(name: str, value: Any, *, minimum: float, maximum: float = math.
         raise LossContractError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value) or value < minimum or value > maximum or (open_max and value == maximum):
-        upper = f"< {maximum}" if open_max else f"<= {maximum}"
-        raise LossContractError(f"{name}: expected a finite float >= {minimum} and {upper}, got {value!r}")
+        upper = "" if maximum == math.inf else f" and < {maximum}" if open_max else f" and <= {maximum}"
+        raise LossContractError(f"{name}: expected a finite float >= {minimum}{upper}, got {value!r}")
     return value
 
 
@@ -335,6 +335,7 @@ class GRPOLossContract:
                 _set(self, "group_boundaries", groups)
         else:
             check_no_groups(self.samples_per_prompt, self.group_boundaries)
+        check_max_length_product(self.normalizer, self.max_completion_length, self.num_sequences)
         check_int("vocab_tile", self.vocab_tile, minimum=1)
 
         sharding = self.sharding
@@ -500,6 +501,22 @@ def check_max_completion_length(normalizer: TokenNormalizer, value: Any) -> int 
         raise LossContractError(f"max_completion_length: only used with loss_type='dr_grpo' (normalizer="
                                 f"'sequences_times_max_length'), got {value!r} with normalizer={normalizer.value!r}")
     return None
+
+
+def check_max_length_product(normalizer: TokenNormalizer, max_completion_length: int | None,
+                             num_sequences: int) -> None:
+    """dr_grpo divides by `fp32(num_sequences * max_completion_length)`, the integer product rounded once: it must
+    be finite in float32, on every backend."""
+    if normalizer is not TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH or max_completion_length is None:
+        return
+    product = num_sequences * max_completion_length
+    if product.bit_length() > 129 or not math.isfinite(to_fp32(float(product))):
+        n = max_completion_length
+        shown = str(n) if n < 10**15 else f"about {float(n):.3g}" if n.bit_length() <= 1024 else (
+            f"an int of {n.bit_length()} bits")
+        raise LossContractError(f"max_completion_length: expected an int whose product with the number of sequences "
+                                f"({num_sequences}) is finite in float32 (at most {FP32_MAX!r}; the loss divides by "
+                                f"it), got {shown}")
 
 
 def normalizer_value(normalizer: TokenNormalizer, constant: float | None, max_completion_length: int | None,
@@ -752,6 +769,23 @@ def check_logprobs(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torc
                                     + "; ".join(causes))
 
 
+def check_derived_advantages(advantages: torch.Tensor, rewards: torch.Tensor, groups: tuple[int, ...]) -> None:
+    """Raises where the advantages computed from the whole batch's fp32 `rewards` (CSR `groups`) are not finite in a
+    group of finite rewards: its sum or variance overflowed fp32 (`canonical.group_advantages` gives NaN there).
+    Every backend runs it after its log-prob check. (A non-finite reward is `check_inputs`'s to name, on the rank
+    that holds it.)"""
+    bad = ~torch.isfinite(advantages)
+    if not bool(bad.any()):
+        return
+    finite = torch.isfinite(rewards)
+    seqs = [i for lo, hi in zip(groups, groups[1:]) if bool(finite[lo:hi].all()) for i in range(lo, hi) if bad[i]]
+    if seqs:
+        raise LossContractError(
+            f"rewards: the advantages of sequences {seqs[:8]} are not finite: the sum or the variance of their "
+            f"group's rewards overflows float32 (|reward| up to {float(rewards[seqs].abs().max()):.3g}); scale the "
+            f"rewards down")
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """The options a loss runs with, validated: from the plain call (`loss_options`) or from a contract
@@ -789,6 +823,7 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
     B, T = mask.shape
     if B == 0:
         raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")
+    check_max_length_product(o["normalizer"], o["max_completion_length"], B)
     if advantages is None:
         groups = check_groups(B, samples_per_prompt, group_boundaries, o["advantage_std"])
     else:

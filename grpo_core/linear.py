@@ -47,8 +47,9 @@ import torch.distributed as dist
 
 from . import canonical
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
-                       check_inputs, check_temperature, check_tensor, inverse_temperature, stand_in)
-from .distributed.grpo_loss import check_derived_advantages, gather_sequences
+                       check_derived_advantages, check_inputs, check_temperature, check_tensor, inverse_temperature,
+                       stand_in)
+from .distributed.grpo_loss import gather_sequences
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .distributed.vocab_parallel_logprob import gather_tile_stats, scaled
 from .result import GRPOLossResult, provenance

@@ -20,20 +20,28 @@ import datetime
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-import torch
+from .cli import (GOLDEN, ROOT, UsageError, from_checkout, harness_parser, missing_module, positive_int,
+                  under_torchrun, usage_error)
 
-from .cli import UsageError, harness_parser, positive_int, under_torchrun, usage_error
-from .diff import (SINGLE, cells_of, compare, describe_cell, differences, drift_first, format_differences, plural,
-                   summarize, topology_differences)
-from .golden import PORTABLE, TENSOR_CORES, read_manifest, verify_golden, write_goldens
-from .record import TableError, git_commit, load_run, read_table, world_run, write_table
-from .scenarios import SCENARIOS
-from .topology import layouts, run_torchrun, run_world
+try:
+    import pandas as pd
+    import torch
+
+    from .diff import (SINGLE, cells_of, compare, contract_differences, describe_cell, differences, drift_first,
+                       format_differences, plural, summarize, topology_differences)
+    from .golden import PORTABLE, TENSOR_CORES, read_manifest, verify_golden, write_goldens
+    from .record import TableError, git_commit, load_run, read_table, world_run, write_table
+    from .scenarios import SCENARIOS
+    from .topology import layouts, run_torchrun, run_world
+except ModuleNotFoundError as exc:  # an interpreter without the project (the system python3): one line, not a traceback
+    if __name__ != "__main__":
+        raise
+    sys.exit(missing_module("python -m harness", exc))
 
 PROVENANCE_KEYS = ("git_commit", "math_version", "machine", "cpu_model", "cpu_capability", "device", "device_type",
                    "torch", "triton", "python", "process_group", "kernels", "threads_per_rank")
@@ -51,23 +59,6 @@ def _scenarios(args) -> list[str]:
     if unknown:
         raise UsageError(f"--scenarios: expected names from {list(SCENARIOS)}, got {unknown}")
     return names
-
-
-def golden_sets(args, names: list[str]) -> list[tuple[Path, list[str]]]:
-    """`(folder, the scenarios whose golden it holds)`: the canonical set, and for the fused linear scenarios on a GPU
-    with the Triton kernels the set of this GPU's architecture beside it."""
-    canonical = Path(args.golden_dir)
-    linear = [n for n in names if SCENARIOS[n].linear]
-    if args.device != "cuda" or args.kernels == "torch" or not linear:
-        return [(canonical, names)]
-    major, minor = torch.cuda.get_device_capability()
-    return [(canonical, [n for n in names if n not in linear]), (canonical.parent / f"sm_{major}{minor}", linear)]
-
-
-def _record_cmd(args, folder: Path, served: list[str]) -> str:
-    extra = "" if folder == Path(args.golden_dir) else f" --kernels {args.kernels} --scenarios {','.join(served)}"
-    return (f"nox -s goldens -- --device {args.device}{extra}   (or python -m harness goldens --device "
-            f"{args.device}{extra})")
 
 
 def _check_device(args) -> None:
@@ -113,6 +104,70 @@ def side_by_side(golden: dict, run: dict) -> str:
     return "\n".join(lines)
 
 
+def _golden_dir(args) -> Path:
+    """`--golden-dir`, or the golden set of the checkout this harness runs from; an installed harness has none."""
+    if args.golden_dir is not None:
+        return Path(args.golden_dir)
+    if not from_checkout():
+        raise UsageError(f"--golden-dir: expected the folder of a golden set, e.g. a checkout's golden/canonical (this "
+                         f"harness is installed, in {ROOT}, and ships no golden set), got nothing")
+    return GOLDEN
+
+
+def golden_sets(args, names: list[str], canonical: Path) -> list[tuple[Path, list[str]]]:
+    """`(folder, the scenarios whose golden it holds)`: the canonical set, and for the fused linear scenarios on a GPU
+    with the Triton kernels the set of this GPU's architecture beside it."""
+    linear = [n for n in names if SCENARIOS[n].linear]
+    if args.device != "cuda" or args.kernels == "torch" or not linear:
+        return [(canonical, names)]
+    major, minor = torch.cuda.get_device_capability()
+    return [(canonical, [n for n in names if n not in linear]), (canonical.parent / f"sm_{major}{minor}", linear)]
+
+
+def _record_cmd(args, folder: Path, served: list[str] | None = None, canonical: Path | None = None) -> str:
+    """How to record the golden set at `folder` (only a checkout records goldens: they are committed there); a
+    per-architecture set beside `canonical` is recorded with the Triton kernels, for its `served` scenarios."""
+    if not from_checkout():
+        return ("record it in a checkout, where goldens are committed (nox -s goldens), and point --golden-dir at its "
+                "golden/canonical")
+    canonical = canonical or folder
+    extra = f"--device {args.device}" + ("" if args.golden_dir is None else f" --golden-dir {canonical}")
+    if folder != canonical:
+        extra += f" --kernels {args.kernels} --scenarios {','.join(served)}"
+    return f"record it with: nox -s goldens -- {extra}   (or python -m harness goldens {extra})"
+
+
+def _restore_hint(folder: Path) -> str:
+    """How to restore a damaged golden set: from git when `folder` is in a git checkout."""
+    try:
+        inside = subprocess.run(["git", "-C", str(folder), "rev-parse", "--is-inside-work-tree"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() == "true"
+    except (OSError, subprocess.SubprocessError):
+        inside = False
+    return f"git checkout -- {folder}" if inside else f"copy it again from where it came: {folder} is not under git"
+
+
+def _run_dir(args, golden_dir: Path) -> Path:
+    """The run's folder: `--out` (refused when it holds a run, or lies in the golden set), or a new runs/<timestamp>."""
+    if args.out is None:
+        stamp = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir, n = stamp, 1
+        while run_dir.exists():  # two runs in one second
+            n += 1
+            run_dir = stamp.with_name(f"{stamp.name}-{n}")
+        return run_dir
+    run_dir = Path(args.out)
+    held = [n for n in ("run.parquet", "summary.md", "summary.csv") if (run_dir / n).exists()]
+    if run_dir.exists() and not run_dir.is_dir() or held:
+        what = "a file" if not run_dir.is_dir() else f"a run ({', '.join(held)})"
+        raise UsageError(f"--out: expected a new or empty folder (an existing run is never replaced), got {run_dir}, "
+                         f"which is {what}")
+    if run_dir.resolve().is_relative_to(golden_dir.resolve()):
+        raise UsageError(f"--out: expected a folder outside the golden set {golden_dir} (a run never writes where its "
+                         f"goldens are), got {run_dir}")
+    return run_dir
+
+
 def cmd_run(args) -> int:
     started = time.monotonic()
     world = _world(args)
@@ -122,30 +177,32 @@ def cmd_run(args) -> int:
     if args.plant_drift is not None and args.plant_drift not in lays:
         raise UsageError(f"--plant-drift: expected one of this run's layouts ({', '.join(lays)}), got "
                          f"{args.plant_drift}")
-    sets = [(folder, served) for folder, served in golden_sets(args, names) if served]
-    record_cmd = " / ".join(_record_cmd(args, folder, served) for folder, served in sets)
-    parts, recorded, empty = [], {}, []
-    for golden_dir, served in sets:
+    golden_dir = _golden_dir(args)
+    if not golden_dir.is_dir():
+        raise UsageError(f"--golden-dir: expected a folder holding a golden set, got {golden_dir} "
+                         f"({'a file' if golden_dir.exists() else 'no such folder'})")
+    sets = [(folder, served) for folder, served in golden_sets(args, names, golden_dir) if served]
+    commands = {folder: _record_cmd(args, folder, served, golden_dir) for folder, served in sets}
+    parts, recorded = [], {}
+    for folder, served in sets:
         try:  # before the world starts: a damaged golden fails at once
-            got = verify_golden(golden_dir)
+            got = verify_golden(folder)
         except TableError as err:
             if os.environ.get("RANK", "0") == "0":
-                print(f"FAIL: golden {err}\nThe golden set in {golden_dir} is damaged or is not this code's. Restore "
-                      f"it (git checkout {golden_dir}) or record it again with: "
-                      f"{_record_cmd(args, golden_dir, served)}", file=sys.stderr)
+                print(f"FAIL: golden {err}\nThe golden set in {folder} is damaged or is not this code's. Restore it "
+                      f"({_restore_hint(folder)}) or {commands[folder]}", file=sys.stderr)
                 print("determinism: FAILED (1 problem)")
             return 1
-        if got is None:
-            empty.append(str(golden_dir))
-            continue
-        parts.append(got[0][got[0]["scenario"].isin(served)])
-        recorded.update({k: v for k, v in got[1].items() if k in served})
-    loaded = (pd.concat(parts, ignore_index=True), recorded) if parts else None
-    golden_dir = " and ".join(str(folder) for folder, _ in sets)
+        if got is None and folder == golden_dir:
+            raise UsageError(f"--golden-dir: expected a folder holding a golden set (MANIFEST.json and its .parquet "
+                             f"files), got {golden_dir}, which holds none; {commands[folder]}")
+        if got is not None:  # a per-architecture set not recorded yet: its scenarios have no golden (below)
+            parts.append(got[0][got[0]["scenario"].isin(served)])
+            recorded.update({k: v for k, v in got[1].items() if k in served})
+    run_dir = _run_dir(args, golden_dir)
     out = _record(args, names, lays, world)
     if out is None:  # a torchrun rank other than 0
         return 0
-    run_dir = Path(args.out or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     meta = {"provenance": out["provenance"], "guards": out["guards"], "layouts": lays,
             "platform": platform_name(args.device), "plant_drift": args.plant_drift}
     write_table(out["rows"], run_dir / "run.parquet", meta)
@@ -154,25 +211,20 @@ def cmd_run(args) -> int:
     topo = topology_differences(df)
     table = summarize(cells_of(df), topo).rename(columns={"status": "vs_single_rank"})
     failures = [f"guard {name}: {msg}" for name, msg in out["guards"].items() if msg]
-    recorded: dict = {}
-    if loaded is None:
-        table["vs_golden"] = "no golden"
-        failures.append(f"no golden under {golden_dir}; record one with: {record_cmd}")
-        gold = topo.iloc[:0]
-    else:
-        golden, recorded = loaded
-        gold = differences(df[df["scenario"].isin(golden["scenario"].unique())], golden)
-        gsum = summarize(cells_of(df), gold).set_index(["scenario", "topology"])
-        table["vs_golden"] = [gsum.loc[(s, t), "status"] if s in recorded else "no golden"
-                              for s, t in zip(table["scenario"], table["topology"])]
-        missing = sorted(set(df["scenario"]) - set(golden["scenario"]))
+    golden = pd.concat(parts, ignore_index=True) if parts else df.iloc[:0]
+    gold = differences(df[df["scenario"].isin(golden["scenario"].unique())], golden)
+    gsum = summarize(cells_of(df), gold).set_index(["scenario", "topology"])
+    table["vs_golden"] = [gsum.loc[(s, t), "status"] if s in recorded else "no golden"
+                          for s, t in zip(table["scenario"], table["topology"])]
+    for folder, served in sets:
+        missing = sorted(set(served) - set(golden["scenario"]))
         if missing:
-            failures.append(f"no golden for scenarios {missing}; record them with: {record_cmd}")
-        ref = df[df["topology"] == SINGLE].groupby("scenario")["fingerprint"].first()
-        stale = [s for s, fp in golden.groupby("scenario")["fingerprint"].first().items() if ref.get(s, fp) != fp]
-        if stale:
-            failures.append(f"golden contract fingerprints differ for {stale}: the scenario's contract changed; "
-                            f"re-record the goldens only if the change is intended")
+            failures.append(f"no golden for scenarios {missing} in {folder}; {commands[folder]}")
+    ref = df[df["topology"] == SINGLE].groupby("scenario")["fingerprint"].first()
+    stale = [s for s, fp in golden.groupby("scenario")["fingerprint"].first().items() if ref.get(s, fp) != fp]
+    if stale:
+        failures.append(f"golden contract fingerprints differ for {stale}: the scenario's contract changed; "
+                        f"re-record the goldens only if the change is intended")
     grid = table.pivot(index="scenario", columns="topology", values="vs_single_rank")[lays]
     print(f"\n{plural(df['scenario'].nunique(), 'scenario')} x {plural(len(lays), 'layout')} on {meta['platform']} "
           f"({out['provenance']['process_group']}, world {world}) in {time.monotonic() - started:.1f} s")
@@ -180,18 +232,25 @@ def cmd_run(args) -> int:
         print(f"planted: a regrouped token sum at {args.plant_drift} (the gate must fail)")
     print(grid.to_string())
     print("vs golden:", ", ".join(f"{k}={v}" for k, v in table["vs_golden"].value_counts().items()))
-    for what, diffs in (("drifted between topologies", topo), ("differ from the golden", gold)):
+    for what, diffs, names in (("drifted between topologies", topo, ("layout", SINGLE)),
+                               ("differ from the golden", gold, ("run", "golden"))):
         if len(diffs):
             if len(diffs) == 1:
                 what = what.replace("differ ", "differs ")
             cells = "\n".join("  " + describe_cell(c) for c in summarize(cells_of(diffs), diffs).itertuples())
-            failures.append(f"{plural(len(diffs), 'row')} {what}:\n{cells}\n" + format_differences(diffs))
-    if len(gold):  # what to do next: where the golden came from, and how to record one
+            failures.append(f"{plural(len(diffs), 'row')} {what}:\n{cells}\n" + format_differences(diffs, names=names))
+    if len(gold) and set(gold["topology"]) == {args.plant_drift}:  # the plant and nothing else moved
+        failures[-1] += (f"\nEvery one of them is at {args.plant_drift}, where the drift was planted: the gate caught "
+                         f"it, and the golden is not at fault (do not re-record it)")
+    elif len(gold):  # what to do next: where the golden came from, and how to record one
+        first = gold["scenario"].iloc[0]
+        folder = next(f for f, served in sets if first in served)
+        promise = ("The canonical math promises the same bits on every machine" if folder == golden_dir else
+                   f"The tensor cores promise the same bits on every GPU of the architecture of {folder}")
         failures[-1] += ("\nThe golden was recorded here (`*`: differs from this run):\n"
-                         + side_by_side(recorded.get(gold["scenario"].iloc[0], {}), out["provenance"])
-                         + "\nThe canonical math promises the same bits on every machine, so a difference is a "
-                           "change of the math (or a bug) to explain. Re-record the goldens, once the change is "
-                           f"intended, with: {record_cmd}")
+                         + side_by_side(recorded.get(first, {}), out["provenance"])
+                         + f"\n{promise}, so a difference is a change of the math (or a bug) to explain. Once the "
+                           f"change is intended, " + commands[folder].replace("record", "re-record", 1))
     report = ["# Determinism run", "", f"Platform `{meta['platform']}`, provenance:", "",
               "```json", json.dumps(out["provenance"], indent=1), "```", "", "```", grid.to_string(), "```", "",
               "## Failures" if failures else "All identical.", ""]
@@ -208,60 +267,74 @@ def cmd_run(args) -> int:
 def cmd_diff(args) -> int:
     a, _ = load_run("a", args.a)
     b, _ = load_run("b", args.b)
-    diffs = compare(a, b, ("A", "B"))
-    cells = drift_first(summarize(cells_of(a, b), diffs))
+    diffs, contracts = compare(a, b, ("A", "B")), contract_differences(a, b)
+    cells = summarize(cells_of(a, b), diffs)
+    other = cells.set_index(["scenario", "topology"]).index.isin(contracts.set_index(["scenario", "topology"]).index)
+    cells["status"] = [f"contract differs, {st}".replace(", identical", "") if o else st
+                       for st, o in zip(cells["status"], other)]
+    cells = drift_first(cells)
     print(f"A = {args.a}\nB = {args.b}")
     print(cells.to_string(index=False))
-    if diffs.empty:
+    if diffs.empty and contracts.empty:
         print("identical")
         return 0
-    print(format_differences(diffs, limit=50))
+    for c in contracts.itertuples(index=False):
+        print(f"  {c.scenario} {c.topology}: contract fingerprint A {c.a} vs B {c.b}")
+    print(format_differences(diffs, limit=50, names=("A", "B")))
     moved, gone = int((diffs["missing"] == "").sum()), int((diffs["missing"] != "").sum())
+    unlike = (f"; the contracts differ in {plural(len(contracts), 'cell')} (different contracts are not the same "
+              f"experiment)" if len(contracts) else "")
     print(f"FAILED: {plural(moved, 'value')} moved and {plural(gone, 'row')} missing on one side, in "
-          f"{plural(int((cells['status'] != 'identical').sum()), 'cell')}")
+          f"{plural(int((cells['status'] != 'identical').sum()), 'cell')}{unlike}")
     return 1
 
 
 def cmd_goldens(args) -> int:
     names = _scenarios(args)
     _check_device(args)
+    folder = _golden_dir(args)
     commit = git_commit()
+    if (commit == "unknown" or not from_checkout()) and not args.allow_no_git:
+        where = "installed" if not from_checkout() else "in no git checkout"
+        raise UsageError(f"--allow-no-git: expected a harness run from a git checkout or the flag, got {ROOT}, which "
+                         f"is {where}; the manifest names the commit that recorded the goldens, and goldens belong "
+                         f"in a checkout, committed")
     if commit.endswith("-dirty") and not args.allow_dirty:
         raise UsageError(f"--allow-dirty: expected a clean working tree or the flag, got uncommitted changes "
                          f"({commit}); commit first, so that the manifest names the code that recorded the goldens")
     platform = platform_name(args.device)
-    sets = [(folder, served) for folder, served in golden_sets(args, names) if served]
+    sets = [(f, served) for f, served in golden_sets(args, names, folder) if served]
+    every = dict(golden_sets(args, list(SCENARIOS), folder))  # each set: every scenario whose golden it holds
     keep = {}
-    for i, (folder, served) in enumerate(sets):
-        holds = golden_sets(args, list(SCENARIOS))[i][1]  # every scenario whose golden this set holds
-        part = set(served) != set(holds)
+    for target, served in sets:
+        part = set(served) != set(every[target])
         if part:  # the other files stay: the set must be sound and of this platform
             try:
-                existing = verify_golden(folder)
+                existing = verify_golden(target)
             except TableError as err:
-                raise UsageError(f"--scenarios: expected every scenario, since {folder} fails a check ({err}); got "
+                raise UsageError(f"--scenarios: expected every scenario, since {target} fails a check ({err}); got "
                                  f"{args.scenarios}") from None
-            if existing is not None and read_manifest(folder)["platform"] != platform:
-                raise UsageError(f"--scenarios: expected every scenario, since {folder} was recorded on "
-                                 f"{read_manifest(folder)['platform']} and this is {platform}; got {args.scenarios}")
+            if existing is not None and read_manifest(target)["platform"] != platform:
+                raise UsageError(f"--scenarios: expected every scenario, since {target} was recorded on "
+                                 f"{read_manifest(target)['platform']} and this is {platform}; got {args.scenarios}")
             part = existing is not None
-        keep[folder] = part
+        keep[target] = part
     out = _record(args, names, [SINGLE], 1)
     if out is None:
         return 0
     rows = pd.DataFrame(out["rows"])
-    for folder, served in sets:
-        bits = PORTABLE if folder == Path(args.golden_dir) else TENSOR_CORES.format(arch=folder.name)
-        write_goldens(folder, rows[rows["scenario"].isin(served)], provenance=out["provenance"], platform=platform,
-                      command="python -m harness goldens " + " ".join(sys.argv[2:]), keep_others=keep[folder],
+    for target, served in sets:
+        bits = PORTABLE if target == folder else TENSOR_CORES.format(arch=target.name)
+        write_goldens(target, rows[rows["scenario"].isin(served)], provenance=out["provenance"], platform=platform,
+                      command="python -m harness goldens " + " ".join(sys.argv[2:]), keep_others=keep[target],
                       bits=bits)
-        print(f"wrote {plural(len(served), 'golden')} to {folder}"
-              + (" (the other files of the set kept)" if keep[folder] else ""))
+        print(f"wrote {plural(len(served), 'golden')} to {target}"
+              + (" (the other files of the set kept)" if keep[target] else ""))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = harness_parser(__doc__).parse_args(argv)
+    args = harness_parser(__doc__, list(SCENARIOS)).parse_args(argv)
     if args.cmd != "diff":
         args.torchrun = args.torchrun or under_torchrun()
     try:

@@ -17,6 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "golden" / "canonical"
 
 
+def from_checkout() -> bool:
+    """True when this harness runs from a source tree (pyproject.toml beside it), False when it is installed
+    (site-packages holds no golden set: `--golden-dir` is required there)."""
+    return (ROOT / "pyproject.toml").is_file()
+
+
 class UsageError(Exception):
     """A mistake in the command line, found after parsing; printed as one line, exit code 2."""
 
@@ -29,6 +35,13 @@ class Parser(argparse.ArgumentParser):
 def usage_error(prog: str, err: UsageError) -> int:
     print(f"{prog}: error: {err}", file=sys.stderr)
     return 2
+
+
+def missing_module(prog: str, err: ModuleNotFoundError) -> int:
+    """One line for an interpreter without the project's dependencies (the system python3, say), exit code 2."""
+    return usage_error(prog, UsageError(
+        f"{err.name}: expected an interpreter with grpo-core and its [harness] extras installed, got {sys.executable}, "
+        f"which lacks {err.name}; after `nox -s determinism` use .nox/determinism/bin/python (README, Which Python)"))
 
 
 def _checked(text: str, cast, ok, expected: str):
@@ -67,19 +80,27 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def harness_parser(description: str | None = None) -> Parser:
+COMMANDS = {"run": "every scenario on every TP x DP layout, diffed bitwise against the single-rank run and the golden",
+            "goldens": "record the golden set (explicit; never a side effect of run)",
+            "diff": "two recorded runs, layout with layout, bitwise"}
+
+
+def harness_parser(description: str | None = None, scenarios: list[str] | None = None) -> Parser:
+    """`scenarios`: the names `--scenarios` accepts, listed in its help (the caller knows them; this module imports
+    no torch)."""
     p = Parser(prog="python -m harness", description=description,
                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,goldens,diff}")
+    names = ", ".join(scenarios) if scenarios else "see python -m harness run --help"
     for name in ("run", "goldens"):
-        s = sub.add_parser(name)
+        s = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
         s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
         s.add_argument("--process-group", choices=["gloo", "nccl"], default=None,
                        help="default: gloo on the CPU; NCCL with one GPU per rank; gloo when ranks share a GPU")
         s.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
                        help="the deterministic path's kernels: auto (Triton for CUDA tensors), the Triton kernels, or "
                             "the torch reference; all must give the golden's bits")
-        s.add_argument("--scenarios", default=None, help="comma-separated names (default: all)")
+        s.add_argument("--scenarios", default=None, help=f"comma-separated names (default: all): {names}")
         s.add_argument("--timeout", type=positive_float, default=600.0,
                        help="seconds before a hung world is killed")
         s.add_argument("--cuda-memory-fraction", type=fraction, default=0.2,
@@ -87,17 +108,22 @@ def harness_parser(description: str | None = None) -> Parser:
                             "node with a training job")
         s.add_argument("--torchrun", action="store_true",
                        help="this process was started by torchrun (detected from its environment anyway)")
-        s.add_argument("--golden-dir", default=str(GOLDEN), help="the golden set (default: golden/canonical)")
+        s.add_argument("--golden-dir", default=None,
+                       help="the golden set (default: golden/canonical of the checkout this harness runs from; "
+                            "required when the harness is installed)")
         if name == "goldens":
             s.add_argument("--allow-dirty", action="store_true",
                            help="record from a working tree with uncommitted changes")
+            s.add_argument("--allow-no-git", action="store_true",
+                           help="record from a harness outside a git checkout (the manifest then names no commit)")
         if name == "run":
             s.add_argument("--max-world", type=positive_int, default=None,
                            help="largest world (default 4, or $GRPO_MAX_WORLD; under torchrun: its WORLD_SIZE)")
-            s.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
+            s.add_argument("--out", default=None, help="a new run folder (default: runs/<timestamp>); an existing "
+                                                       "run is never replaced")
             s.add_argument("--plant-drift", type=layout_name, default=None, metavar="LAYOUT",
                            help="run a regrouped token-sum op at this layout (e.g. tp2xdp1): the gate must fail")
-    d = sub.add_parser("diff", help="two recorded runs, layout by layout, bitwise")
+    d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
     d.add_argument("a", help="a run folder or its run.parquet")
     d.add_argument("b", help="a run folder or its run.parquet")
     return p

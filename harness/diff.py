@@ -98,18 +98,32 @@ def describe_cell(c) -> str:
     return f"{c.scenario} {c.topology}: " + "; ".join(parts)
 
 
-def format_differences(diffs: pd.DataFrame, limit: int = 20) -> str:
+def contract_differences(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """The (scenario, topology) cells of both runs whose contract fingerprints differ, with both fingerprints: two
+    contracts are not the same experiment, whatever their bits."""
+    def fingerprints(run: pd.DataFrame, side: str) -> pd.Series:
+        return run.groupby(["scenario", "topology"], sort=False)["fingerprint"].first().rename(side)
+
+    both = pd.concat([fingerprints(a, "a"), fingerprints(b, "b")], axis=1, join="inner")
+    return both[both["a"] != both["b"]].reset_index()
+
+
+def format_differences(diffs: pd.DataFrame, limit: int = 20, names: tuple[str, str] = ("run", "reference")) -> str:
+    """One line per difference; each value is preceded by the name of its side (`names`: the run's, the
+    reference's)."""
     lines = []
+    a, b = names
     for r in diffs.head(limit).itertuples(index=False):
         if r.missing:
             lines.append(f"  {r.scenario} {r.topology} {r.field}[{r.index}]: missing in the {r.missing}")
         elif r.field == "grad_digest":
-            lines.append(f"  {r.scenario} {r.topology} grad of sequence {r.index}: digest {r.digest} vs "
+            lines.append(f"  {r.scenario} {r.topology} grad of sequence {r.index}: digest {a} {r.digest} vs {b} "
                          f"{r.ref_digest}")
         else:
             mask = 0xFFFFFFFF if r.field != "per_sequence_active_tokens" else -1
-            lines.append(f"  {r.scenario} {r.topology} {r.field}[{r.index}]: {r.value!r} (0x{int(r.bits) & mask:08x}) "
-                         f"vs {r.ref_value!r} (0x{int(r.ref_bits) & mask:08x}), {r.ulp:.0f} ULP")
+            lines.append(f"  {r.scenario} {r.topology} {r.field}[{r.index}]: {a} {r.value!r} "
+                         f"(0x{int(r.bits) & mask:08x}) vs {b} {r.ref_value!r} (0x{int(r.ref_bits) & mask:08x}), "
+                         f"{r.ulp:.0f} ULP")
     if len(diffs) > limit:
         lines.append(f"  ... and {len(diffs) - limit} more")
     return "\n".join(lines)

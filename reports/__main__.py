@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.cli import Parser, UsageError, positive_int, usage_error
+from harness.cli import Parser, UsageError, missing_module, positive_int, usage_error
 
 
 def parser() -> Parser:
@@ -17,13 +17,21 @@ def parser() -> Parser:
     d.add_argument("--out", required=True)
     s = sub.add_parser("study", help="regrouped token sums over seeds: vector versus scalar")
     s.add_argument("--seeds", type=positive_int, default=12)
+    s.add_argument("--sequences", type=positive_int, default=8, help="sequences per seed, a multiple of 4 (default 8)")
+    s.add_argument("--tokens", type=positive_int, default=128, help="tokens per sequence (default 128)")
     s.add_argument("--out", required=True)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .drift import drift_report, regroup_study  # after parsing: a mistake is answered before torch loads
+    if args.cmd == "study" and args.sequences % 4:
+        return usage_error("python -m reports study", UsageError(
+            f"--sequences: expected a multiple of 4 (the study's groups hold 4 samples), got {args.sequences}"))
+    try:  # after parsing: a mistake is answered before torch loads
+        from .drift import drift_report, regroup_study
+    except ModuleNotFoundError as exc:  # an interpreter without the project: one line, not a traceback
+        return missing_module("python -m reports", exc)
     if args.cmd == "drift":
         try:
             diffs = drift_report(args.a, args.b, Path(args.out))
@@ -31,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             return usage_error("python -m reports drift", err)
         print(f"{len(diffs)} differences (moved or missing); report: {Path(args.out) / 'report.html'}")
         return 0
-    summary = regroup_study(args.seeds, Path(args.out))
+    summary = regroup_study(args.seeds, Path(args.out), seq_len=args.tokens, sequences=args.sequences)
     print(f"per-sequence vector moved in {summary['vector_moved']} of {summary['seeds']} seeds; scalar loss moved in "
           f"{summary['loss_moved']} of {summary['seeds']}; report: {Path(args.out) / 'report.html'}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -11,6 +12,14 @@ if not torch.cuda.is_available():  # Triton kernels run under the interpreter on
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from grpo_core import raise_pending  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    # The deterministic path's row kernel reads CHUNK columns a loop iteration (4096 on a GPU). The interpreter's time
+    # goes with the elements of a block, masked ones included, so a row of 17 columns cost it 4096; the bits do not
+    # depend on the chunk (test_triton_canonical.py::test_many_chunks_tiles_and_odd_vocabularies runs 4096 too).
+    from grpo_core.triton import canonical as _canonical_kernels  # noqa: E402
+
+    _canonical_kernels.CHUNK = 256
 
 torch.set_num_threads(int(os.environ.get("GRPO_TEST_THREADS", "1")))
 

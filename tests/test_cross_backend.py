@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +21,7 @@ from grpo_core import GRPOLossContract, LossContractError, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-EXAMPLES = int(os.environ.get("GRPO_PROPERTY_EXAMPLES", 200 if HAS_CUDA else 12))
+EXAMPLES = int(os.environ.get("GRPO_PROPERTY_EXAMPLES", 200 if HAS_CUDA else 20))
 TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 BAD = ["id_high", "id_negative", "old_nan", "reward_inf", "mask_two", "logit_nan", "logit_inf", "action_minus_inf",
        "ref_nan", "advantage_nan"]
@@ -143,3 +144,49 @@ def check(inp: dict, opts: dict, bad: str | None) -> None:
 @given(st.data())
 def test_backends_agree_or_raise_the_same_error(data):
     check(*case(data.draw))
+
+
+# --- regular tests: inputs each backend once answered differently (issue 23) ----------------------------------------
+
+def errors_of(inp: dict, opts: dict) -> set[str]:
+    """The one message every backend raised (asserts each raised `LossContractError`)."""
+    out = run_all(inp, opts)
+    assert all(isinstance(v, str) for v in out.values()), {k: v for k, v in out.items() if not isinstance(v, str)}
+    assert len(set(out.values())) == 1, out
+    return set(out.values())
+
+
+@pytest.mark.parametrize("length,shown", [(2**127, "about 1.7e+38"), (2**200, "about 1.61e+60"),
+                                          (2**1100, "an int of 1101 bits")], ids=["2**127", "2**200", "2**1100"])
+def test_a_dr_grpo_length_that_float32_cannot_hold_is_refused_in_the_same_words(length, shown):
+    """dr_grpo divides by fp32(B * max_completion_length): 4 * 2**127 overflows it, as do 2**200 (a RuntimeError on
+    native, a loss of 0.0 on Triton) and 2**1100 (an OverflowError)."""
+    inp = make_inputs(4, 3, 17, seed=1, device=DEV)
+    opts = dict(beta=0.04, samples_per_prompt=2, loss_type="dr_grpo", max_completion_length=length)
+    assert errors_of(inp, opts) == {
+        "max_completion_length: expected an int whose product with the number of sequences (4) is finite in float32 "
+        f"(at most 3.4028234663852886e+38; the loss divides by it), got {shown}"}
+    check(inp, {**opts, "max_completion_length": 2**100}, None)  # 4 * 2**100 is finite: every backend agrees
+
+
+@pytest.mark.parametrize("std,rewards", [("population", [3e38, -3e38]), ("unbiased_eps", [3e38, -3e38]),
+                                         ("unbiased", [-3e38, 3e38]), ("none", [3e38, 3e38])])
+@pytest.mark.parametrize("groups", ["uniform", "csr"])
+def test_rewards_whose_group_statistics_overflow_are_refused_in_the_same_words(std, rewards, groups):
+    """Finite fp32 rewards whose group variance (or, without a std, sum) overflows: native gave NaN and the fast
+    Triton op a finite loss; the distributed op's error is every backend's now."""
+    inp = make_inputs(4, 3, 17, seed=1, device=DEV)
+    inp["rewards"] = torch.tensor(rewards + [0.5, -1.0], device=DEV)
+    opts = dict(beta=0.04, advantage_std=std, **({"samples_per_prompt": 2} if groups == "uniform" else
+                                                 {"group_boundaries": (0, 2, 4)}))
+    assert errors_of(inp, opts) == {"rewards: the advantages of sequences [0, 1] are not finite: the sum or the "
+                                    "variance of their group's rewards overflows float32 (|reward| up to 3e+38); "
+                                    "scale the rewards down"}
+    inp["rewards"] = torch.tensor([3e18, -3e18, 0.5, -1.0], device=DEV)  # large, but the variance is finite
+    check(inp, opts, None)
+
+
+def test_a_nan_beta_is_named_without_an_upper_bound():
+    inp = make_inputs(4, 3, 17, seed=1, device=DEV)
+    assert errors_of(inp, dict(beta=float("nan"), samples_per_prompt=2)) == {
+        "beta: expected a finite float >= 0.0, got nan"}

@@ -413,6 +413,21 @@ def test_non_contract_raises_a_contract_error():
                  completion_mask=inp["completion_mask"])
 
 
+@pytest.mark.parametrize("backend", ["native", "distributed"])
+def test_policy_logits_that_disagree_with_the_contract_are_blamed_not_the_reference(backend):
+    """T of the contract 3, of `policy_logits` 2, of `ref_logits` 3: the error names the policy logits' shape (it
+    used to say the reference disagreed with the policy)."""
+    B, T, V = 4, 3, 17
+    inp = make_inputs(B, T, V, seed=5)
+    c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, samples_per_prompt=2,
+                         determinism_scope="topology_invariant" if backend == "distributed" else "run_to_run")
+    op = kernel_registry.get_loss_op(c, backend=backend).op
+    with pytest.raises(LossContractError, match=r"^policy_local_logits: expected \[.*\] = \[4, 3, 17\] .*got "
+                                                r"\[4, 2, 17\]$"):
+        op.apply(inp["policy_logits"][:, :2], inp["action_ids"], inp["old_logps"], inp["rewards"], contract=c,
+                 completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"])
+
+
 def test_only_policy_logits_get_a_gradient_on_the_distributed_path():
     case = CASES[1]
     inp = case_inputs(case)

@@ -36,9 +36,13 @@ TRITON_OP = DistributedGRPOLossOp(kernels="triton")
 TRITON_CASES = [CASES[2], CASES[3], CASES[4]]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it where there is no GPU
 TRITON_LAYOUTS = [Layout(2, 2)]
+# The Triton kernels' runs under the interpreter take 4 tokens a sequence, not 32, and chunks of 512 columns, not 4096:
+# the interpreter's time goes with the rows and the chunk (its generic reductions are Python loops), while the options
+# these tests are about, and the bits, do not depend on either (test_triton_canonical.py covers the shapes and chunks).
+T_KERNELS = 4 if INTERPRET else T
 
 
-def case_inputs(case: dict) -> dict:
+def case_inputs(case: dict, T: int = T) -> dict:
     """The inputs, with given advantages (NaN wherever no active token reads them) and rewards=None for those."""
     inp = make_inputs(S, T, case["V"], seed=case["seed"], wide=case["V"] == 1031, empty_rows=case.get("empty", (2, 5)))
     source = case.get("source", "rewards")
@@ -51,7 +55,7 @@ def case_inputs(case: dict) -> dict:
     return inp
 
 
-def contract_for(case: dict, layout: Layout, tp_rank: int = 0, dp_rank: int = 0) -> GRPOLossContract:
+def contract_for(case: dict, layout: Layout, tp_rank: int = 0, dp_rank: int = 0, T: int = T) -> GRPOLossContract:
     sharding = ShardingSpec.uniform(vocab_size=case["V"], num_sequences=S, tp_world_size=layout.tp,
                                     dp_world_size=layout.dp, tp_rank=tp_rank, dp_rank=dp_rank)
     source = case.get("source", "rewards")
@@ -81,18 +85,19 @@ def world_suite(ctx) -> dict:
     dev = ctx.device
     out = {"mismatches": [], "errors": {}}
 
-    def against_one_rank(cases: list[dict], layouts: list[Layout], op, label: str) -> tuple[set, int]:
+    def against_one_rank(cases: list[dict], layouts: list[Layout], op, label: str, seq_len: int = T
+                         ) -> tuple[set, int]:
         """Each case at each layout this rank is placed in, against the single-rank torch run (mismatches go to
         `out`): the kernels that ran and how many runs were compared."""
         kernels, compared = set(), 0
         for case in cases:
-            inp = case_inputs(case)
-            want = run_local(inp, contract_for(case, Layout(1, 1)), dev)
+            inp = case_inputs(case, seq_len)
+            want = run_local(inp, contract_for(case, Layout(1, 1), T=seq_len), dev)
             for lay in layouts:
                 p = ctx.place(lay)
                 if p is None:
                     continue
-                c = contract_for(case, lay, p.tp_rank, p.dp_rank)
+                c = contract_for(case, lay, p.tp_rank, p.dp_rank, T=seq_len)
                 got = run_local(inp, c, dev, p.tp_group, p.dp_group, op=op)
                 kernels.add(got.pop("kernels"))
                 out["mismatches"] += compare(got, want, c, f"{label}case {case['seed']} {lay.name} rank {ctx.rank}",
@@ -101,13 +106,12 @@ def world_suite(ctx) -> dict:
         return kernels, compared
 
     out["kernels"], out["compared"] = against_one_rank(CASES, LAYOUTS, OP, "")
-    # The Triton kernels in this CPU world (under the interpreter, as on CI), on the options only they compute in a
-    # world: given advantages per sequence and per token, dr_grpo, TRL's std. Chunks of 256 columns, not 4096: the
-    # interpreter's time goes with the chunk, and the bits do not depend on it (test_triton_canonical.py).
+    # The Triton kernels in this CPU world (under the interpreter, as on CI, at T_KERNELS tokens), on the options
+    # only they compute in a world: given advantages per sequence and per token, dr_grpo, TRL's std.
     if INTERPRET:
-        canonical_kernels.CHUNK = 256
+        canonical_kernels.CHUNK = 512
         out["triton_kernels"], out["triton_compared"] = against_one_rank(TRITON_CASES, TRITON_LAYOUTS, TRITON_OP,
-                                                                         "triton ")
+                                                                         "triton ", T_KERNELS)
 
     # Preflight at tp2 x dp2 (ranks 0-3): TP siblings must hold the same advantages where active tokens read them.
     lay, p = Layout(2, 2), ctx.place(Layout(2, 2))
@@ -181,11 +185,13 @@ def test_single_rank_matches_native_within_fp32_tolerance():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(c["seed"]) for c in CASES])
-def test_triton_kernels_give_the_torch_bits_with_every_option(case):
+def test_triton_kernels_give_the_torch_bits_with_every_option(case, monkeypatch):
     """Temperature and given advantages (per sequence, per token) run in the kernels; loss types, the std and the
     metrics on the per-sequence vectors: the bits of the torch kernels, under the interpreter and on a GPU."""
-    inp = case_inputs(case)
-    c = contract_for(case, Layout(1, 1))
+    if INTERPRET:
+        monkeypatch.setattr(canonical_kernels, "CHUNK", 512)
+    inp = case_inputs(case, T_KERNELS)
+    c = contract_for(case, Layout(1, 1), T=T_KERNELS)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     got = run_local(inp, c, dev, op=DistributedGRPOLossOp(kernels="triton"))
     want = run_local(inp, c, dev, op=DistributedGRPOLossOp(kernels="torch"))

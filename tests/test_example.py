@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HAS_CUDA
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from grpo_toy import train  # noqa: E402
 
@@ -35,3 +37,39 @@ def test_script_sets_one_thread_and_names_the_machine_beside_the_step_time():
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
     assert "median step" in line and "1 thread," in line and " cores, " in line and "torch " in line, line
+
+
+def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """The script's `main()` with these arguments, in this process: `(exit code, stdout, stderr)`."""
+    from grpo_toy import main
+    monkeypatch.setattr(sys, "argv", ["grpo_toy.py", *argv])
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+MISTAKES = [(["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+            (["--device", "tpu"], "--device: expected cpu or cuda[:index], got tpu"),
+            (["--plot", "no/such/folder/reward.png"], "--plot: expected a file in an existing folder, got "
+                                                      "no/such/folder/reward.png")]
+if not HAS_CUDA:
+    MISTAKES += [(["--device", "cuda"], "--device: expected cpu (torch "),
+                 (["--backend", "triton"], "--backend: expected native or nothing with --device cpu")]
+
+
+@pytest.mark.parametrize("argv,words", MISTAKES, ids=[" ".join(m[0]) for m in MISTAKES])
+def test_script_mistakes_are_one_line_before_anything_runs(monkeypatch, capsys, argv, words):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a user's shell: the Triton kernels need CUDA
+    code, out, err = run_main(monkeypatch, capsys, *argv)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"grpo_toy.py: error: {words}"), err
+
+
+@pytest.mark.parametrize("steps,window", [(1, "first step"), (5, "first 2 steps"), (30, "first 10 steps")])
+def test_script_names_the_steps_it_averaged(monkeypatch, capsys, steps, window):
+    code, out, _ = run_main(monkeypatch, capsys, "--steps", str(steps))
+    assert code == 0 and out.startswith(f"mean reward: {window} ") and f", last {window[6:]} " in out, out

@@ -56,7 +56,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         proc = python_m("harness", "run", "--max-world", "2", "--scenarios", f"{SCN},identity", "--out", str(folder),
                         *extra)
         assert proc.returncode == (1 if extra else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
-        out[name] = folder
+        out[name], out[f"{name} output"] = folder, proc.stdout + proc.stderr
     return out
 
 
@@ -75,6 +75,41 @@ def test_diff_is_symmetric_and_compares_layout_with_layout(runs):
     assert moved and moved == _diff_lines(ba.stdout)  # the same cells, whichever run comes first
     assert all(" tp2xdp1 " in line for line in moved), moved
     assert f"{SCN} tp2xdp1 per_sequence_policy[" in ab.stdout
+
+
+def test_diff_lines_name_the_side_of_each_value(runs):
+    proc = python_m("harness", "diff", str(runs["clean"]), str(runs["planted"]))
+    moved = [line for line in proc.stdout.splitlines() if "ULP" in line]
+    assert moved and all(re.search(r": A -?[\d.e+-]+ \(0x[0-9a-f]{8}\) vs B -?[\d.e+-]+ \(0x[0-9a-f]{8}\), \d+ ULP$",
+                                   line) for line in moved), moved
+
+
+def test_a_planted_drift_is_not_blamed_on_the_golden(runs):
+    out = runs["planted output"]
+    assert "planted: a regrouped token sum at tp2xdp1 (the gate must fail)" in out
+    assert "Every one of them is at tp2xdp1, where the drift was planted: the gate caught it" in out
+    assert "the golden is not at fault (do not re-record it)" in out
+    assert "Once the change is intended" not in out and "nox -s goldens" not in out
+
+
+def test_diff_fails_on_cells_whose_contracts_differ(runs, tmp_path, capsys):
+    """Same bits, another contract fingerprint: not the same experiment (issue 23 item 14)."""
+    df, meta = read_table(runs["clean"] / "run.parquet")
+    cell = (df["scenario"] == "identity") & (df["topology"] == "tp2xdp1")
+    df.loc[cell, "fingerprint"] = "0" * 32
+    write_table(df.to_dict("records"), tmp_path / "other" / "run.parquet", meta)
+    proc = cli(capsys, "harness", "diff", str(runs["clean"]), str(tmp_path / "other"))
+    assert proc.returncode == 1, proc.stdout
+    fp = read_table(runs["clean"] / "run.parquet")[0].loc[cell, "fingerprint"].iloc[0]
+    assert f"  identity tp2xdp1: contract fingerprint A {fp} vs B {'0' * 32}" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == ("FAILED: 0 values moved and 0 rows missing on one side, in 1 cell; the "
+                                            "contracts differ in 1 cell (different contracts are not the same "
+                                            "experiment)")
+    assert re.search(r"identity\s+tp2xdp1\s+contract differs\s", proc.stdout)
+    from reports.drift import drift_report
+    drift_report(str(runs["clean"]), str(tmp_path / "other"), tmp_path / "report")
+    assert ("the contracts differ in 1 cell (identity tp2xdp1): not the same experiment; identical"
+            in (tmp_path / "report" / "report.md").read_text())
 
 
 def _without(df: pd.DataFrame, what: str) -> pd.DataFrame:
@@ -148,6 +183,46 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, capsys, module, args, n
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and names in lines[0], proc.stderr
     assert not (tmp_path / "g").exists()  # nothing recorded
+
+
+def test_out_never_replaces_a_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.parquet").write_bytes(b"an earlier run")
+    proc = cli(capsys, "harness", "run", "--max-world", "1", "--scenarios", "identity", "--out", str(run))
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"python -m harness run: error: --out: expected a new or empty folder (an existing run is never replaced), "
+        f"got {run}, which is a run (run.parquet)")
+    assert (run / "run.parquet").read_bytes() == b"an earlier run" and sorted(run.iterdir()) == [run / "run.parquet"]
+    proc = cli(capsys, "harness", "run", "--max-world", "1", "--scenarios", "identity", "--out", str(GOLDEN / "run"))
+    assert proc.returncode == 2 and "--out: expected a folder outside the golden set" in proc.stderr
+    assert not (GOLDEN / "run").exists()
+
+
+def test_help_describes_every_command_and_lists_the_scenarios(capsys):
+    from harness.scenarios import SCENARIOS
+    top = cli(capsys, "harness", "--help").stdout
+    for name in ("run", "goldens", "diff"):
+        assert re.search(rf"^    {name} +\S", top, re.M), top  # each command with its line of help
+    words = " ".join(cli(capsys, "harness", "run", "--help").stdout.split())
+    assert "comma-separated names (default: all): " + ", ".join(SCENARIOS) in words
+
+
+def test_an_interpreter_without_the_project_gets_one_line(tmp_path):
+    """The system python3 has neither torch nor pandas: each entry point says so in one line (exit code 2), with
+    the interpreter to use, never a ModuleNotFoundError traceback."""
+    for name in ("torch", "pandas"):  # stand-ins that fail to import, ahead of the real ones
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ModuleNotFoundError({'No module named ' + name!r}, "
+                                                     f"name={name!r})\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    for argv in (["-m", "harness", "run"], ["-m", "reports", "study", "--out", str(tmp_path / "s")],
+                 [str(ROOT / "examples" / "grpo_toy.py")]):
+        proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert ": expected an interpreter with grpo-core" in line and sys.executable in line, line
 
 
 def test_torchrun_is_detected_from_its_environment(tmp_path):
@@ -301,6 +376,13 @@ def test_the_gate_fails_on_a_tampered_golden_in_one_sentence(tmp_path, capsys, n
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert f"golden {check}:" in proc.stderr and "python -m harness goldens" in proc.stderr
+    assert "git checkout" not in proc.stderr
+    assert f"copy it again from where it came: {gold} is not under git" in proc.stderr
+
+
+def test_a_damaged_golden_set_in_the_checkout_is_restored_from_git():
+    from harness.__main__ import _restore_hint
+    assert _restore_hint(GOLDEN) == f"git checkout -- {GOLDEN}"
 
 
 def test_a_row_missing_from_the_golden_is_reported_as_missing(tmp_path):
@@ -406,7 +488,31 @@ def test_regroup_study_draws_vector_versus_scalar_per_seed(tmp_path):
     assert summary["seeds"] == 2 and 0 <= summary["loss_moved"] <= summary["vector_moved"] <= 2
     html = (tmp_path / "report.html").read_text()
     assert (tmp_path / "study.png").stat().st_size > 0 and html.count('<img src="data:image/png;base64,') == 1
-    assert "over 2 seeds" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "over 2 seeds" in md
+    # On these inputs the scalar moved whenever the vector did: the report says so, and claims nothing else.
+    assert summary["loss_moved"] == summary["vector_moved"] == 2
+    assert "the scalar alone would have caught the drift" in md and "hidden" not in md and "hides" not in md
+
+
+def test_study_verdict_says_what_the_counts_show():
+    from reports.drift import study_verdict
+    assert study_verdict(12, 8) == ("In 4 seeds the per-sequence vector moved and the scalar loss did not: there, "
+                                    "comparing only the scalar would have hidden the drift.")
+    assert study_verdict(12, 12).startswith("The scalar loss moved in every seed in which the vector moved")
+    assert study_verdict(0, 0) == "Nothing moved: on these inputs regrouping changed no bit."
+
+
+def test_report_html_rules_its_tables_for_a_browser(runs, tmp_path):
+    """A person reads the HTML in a browser: its tables have borders and padded cells (they had neither)."""
+    from reports.drift import drift_report
+    drift_report(str(runs["planted"]), str(runs["clean"]), tmp_path)
+    html = (tmp_path / "report.html").read_text()
+    style = re.search(r"<style>(.*?)</style>", html, re.S).group(1)
+    rules = {sel.strip(): body for sel, body in re.findall(r"([^{}]+)\{([^}]*)\}", style)}
+    assert "border-collapse: collapse" in rules["table"]
+    assert "border: 1px solid" in rules["th, td"] and "padding:" in rules["th, td"]
+    assert html.count("<table") == 3  # runs, scalar versus vector, the moved sequences (nothing is missing)
 
 
 def test_goldens_refuse_a_working_tree_with_uncommitted_changes(tmp_path):

@@ -97,11 +97,29 @@ def test_modified_golden_fails(clean_run, tmp_path):
     assert "nox -s goldens -- --device cpu" in proc.stderr
 
 
-def test_missing_golden_is_reported_with_the_command(tmp_path):
+def test_missing_golden_is_refused_before_the_world_with_the_command(tmp_path):
+    """An empty --golden-dir is refused at once (issue 23: it used to fail after the whole run), with the command
+    that records a golden set there."""
     proc = harness("run", "--max-world", "1", "--scenarios", "identity", "--golden-dir", str(tmp_path), "--out",
                    str(tmp_path / "run"))
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
+    assert (f"--golden-dir: expected a folder holding a golden set (MANIFEST.json and its .parquet files), got "
+            f"{tmp_path}, which holds none; record it with: nox -s goldens -- --device cpu --golden-dir {tmp_path}"
+            in proc.stderr)
+
+
+def test_a_golden_set_that_lacks_a_scenario_names_it_and_the_command(tmp_path):
+    gold = tmp_path / "golden"
+    shutil.copytree(ROOT / "golden" / "canonical", gold)
+    (gold / "identity.parquet").unlink()
+    manifest = json.loads((gold / "MANIFEST.json").read_text())
+    del manifest["files"]["identity.parquet"]
+    (gold / "MANIFEST.json").write_text(json.dumps(manifest))
+    proc = harness("run", "--max-world", "1", "--scenarios", "identity", "--golden-dir", str(gold), "--out",
+                   str(tmp_path / "run"))
     assert proc.returncode == 1
-    assert f"no golden under {tmp_path}" in proc.stderr and "nox -s goldens -- --device cpu" in proc.stderr
+    assert (f"no golden for scenarios ['identity'] in {gold}; record it with: nox -s goldens -- --device cpu "
+            f"--golden-dir {gold}" in proc.stderr)
 
 
 def test_diff_counts_signed_zero_and_nan_payloads():

@@ -75,6 +75,51 @@ def test_installed_wheel_runs_python_m_harness_and_reports_outside_the_checkout(
     assert where.count(str(tmp_path / "site")) == 2, where
 
 
+def test_installed_gate_needs_a_golden_set_and_records_none_by_accident(wheel, tmp_path):
+    """Outside the checkout (issue 23) the installed harness has no golden set of its own: `run` refuses to start
+    without --golden-dir, a missing, empty or file --golden-dir is refused before the world starts, recording needs
+    --golden-dir and, outside a git checkout, --allow-no-git; with the checkout's golden set the gate passes."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    def harness(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "harness", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    def one_line(proc: subprocess.CompletedProcess) -> str:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+        (line,) = proc.stderr.strip().splitlines()
+        return line
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("")
+    refused = {(): "--golden-dir: expected the folder of a golden set, e.g. a checkout's golden/canonical (this "
+                   f"harness is installed, in {site}, and ships no golden set), got nothing",
+               ("--golden-dir", "absent"): "--golden-dir: expected a folder holding a golden set, got absent (no such "
+                                           "folder)",
+               ("--golden-dir", "a_file"): "got a_file (a file)",
+               ("--golden-dir", "empty"): "got empty, which holds none; record it in a checkout, where goldens are "
+                                          "committed (nox -s goldens)"}
+    for extra, words in refused.items():
+        proc = harness("run", "--scenarios", "identity", "--max-world", "1", "--out", "run", *extra)
+        assert words in one_line(proc)
+        assert "(gloo, world" not in proc.stdout and not (tmp_path / "run").exists()  # the world never started
+    assert "--golden-dir: expected the folder" in one_line(harness("goldens", "--scenarios", "identity"))
+    assert one_line(harness("goldens", "--scenarios", "identity", "--golden-dir", "new")).endswith(
+        "--allow-no-git: expected a harness run from a git checkout or the flag, got " + str(site) + ", which is "
+        "installed; the manifest names the commit that recorded the goldens, and goldens belong in a checkout, "
+        "committed")
+    assert not (tmp_path / "new").exists() and not (site / "golden").exists()
+    proc = harness("goldens", "--scenarios", "identity", "--golden-dir", "new", "--allow-no-git")
+    assert proc.returncode == 0 and sorted(p.name for p in (tmp_path / "new").iterdir()) == [
+        "MANIFEST.json", "identity.parquet"], proc.stderr[-2000:]
+    proc = harness("run", "--scenarios", "identity", "--max-world", "1", "--golden-dir", str(ROOT / "golden" /
+                                                                                                "canonical"))
+    assert proc.returncode == 0 and proc.stdout.endswith("determinism: all identical\n"), proc.stderr[-2000:]
+
+
 # The nox tests need nox, a `[dev]` dependency that `nox -s tests` installs; an image without it (the GPU machine's)
 # skips them instead of failing on the import.
 needs_nox = pytest.mark.skipif(importlib.util.find_spec("nox") is None, reason="nox is not installed")

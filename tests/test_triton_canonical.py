@@ -4,13 +4,15 @@ On the CPU the kernels run under TRITON_INTERPRET=1 (conftest sets it); on a GPU
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from conftest import HAS_CUDA, assert_bitwise_equal, make_inputs
-from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, canonical, raise_pending
+from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, canonical, pending, raise_pending
 from grpo_core.contract import AdvantageStd
 from grpo_core.distributed import DistributedGRPOLossOp
 from grpo_core.distributed.grpo_loss import check_derived_advantages
@@ -188,6 +190,32 @@ def test_overflowing_rewards_raise_like_the_reference(scale):
     messages = both_kernels_raise(inp, contract(50, 4, 3))
     assert messages[0].startswith("rewards: the advantages of sequences [2, 3] are not finite"), messages[0]
     assert messages[1].endswith("checked after it returned): " + messages[0]), messages[1]
+
+
+def test_a_single_process_call_repaired_in_place_is_not_blamed_on_another_rank(monkeypatch):
+    """1x1, Triton kernels, a deferred check (as on a GPU): a caller that repairs the bad value in place before the
+    check reads it gets the fast op's words (the inputs changed since), never "on another rank": there is none."""
+    class Produced:  # a CUDA event whose flag the GPU has produced
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    def defer(flag, recheck, label, group=None):  # what `pending.defer` does with a CUDA flag: queue it, read later
+        pending._enqueue(pending._Check(7, label, flag.clone(), Produced(), recheck), group)
+
+    monkeypatch.setattr(pending, "_local", collections.deque())
+    monkeypatch.setattr(pending, "defer", defer)
+    inp = make_inputs(2, 3, 50, seed=2)
+    inp["old_logps"][1, 0] = float("nan")  # the first token is active
+    run(DistributedGRPOLossOp(kernels="triton"), inp, contract(50, 2, 3))
+    inp["old_logps"][1, 0] = 0.0  # repaired in place before the check reads it
+    with pytest.raises(LossContractError) as info:
+        raise_pending()
+    assert str(info.value) == ("grpo_loss (distributed, triton kernels) (call #7, checked after it returned): the "
+                               "kernels flagged a bad input value that the inputs do not show now (overwritten in "
+                               "place after the call?)")
 
 
 LAYOUTS = [Layout(2, 1), Layout(4, 1), Layout(1, 2), Layout(2, 2)]

@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import canonical, pending
-from ..contract import (AdvantagesInput, GRPOLossContract, LossContractError, check_inputs, check_logprobs,
-                        inverse_temperature, stand_in)
+from ..contract import (AdvantagesInput, GRPOLossContract, LossContractError, check_derived_advantages,
+                        check_inputs, check_logprobs, check_tensor, inverse_temperature, stand_in)
 from ..result import GRPOLossResult, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -49,22 +49,6 @@ def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: 
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded.contiguous(), group=dp_group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
-
-
-def check_derived_advantages(advantages: torch.Tensor, rewards: torch.Tensor, groups: tuple[int, ...]) -> None:
-    """Raises where the advantages computed from the whole batch's `rewards` (CSR `groups`) are not finite in a
-    group of finite rewards: its sum or variance overflowed fp32. (A non-finite reward is the rewards check's to
-    name, on the rank that holds it.)"""
-    bad = ~torch.isfinite(advantages)
-    if not bool(bad.any()):
-        return
-    finite = torch.isfinite(rewards)
-    seqs = [i for lo, hi in zip(groups, groups[1:]) if bool(finite[lo:hi].all()) for i in range(lo, hi) if bad[i]]
-    if seqs:
-        raise LossContractError(
-            f"rewards: the advantages of sequences {seqs[:8]} are not finite: the sum or the variance of their "
-            f"group's rewards overflows float32 (|reward| up to {float(rewards[seqs].abs().max()):.3g}); scale the "
-            f"rewards down")
 
 
 class _Loss(torch.autograd.Function):
@@ -159,9 +143,7 @@ class DistributedGRPOLossOp:
             pending.poll()  # this process's local checks: what one rank raises here, every rank raises
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
-            check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                         beta=contract.beta, values=False, rewards_required=True, advantages=advantages,
-                         advantages_input=contract.advantages_input)  # types before the shape
+            check_tensor("policy_logits", policy_local_logits)  # its type, then the contract's shape, then the rest
             expected = (seq_hi - seq_lo, contract.padded_seq_len, v_hi - v_lo)
             if tuple(policy_local_logits.shape) != expected:
                 raise LossContractError(
@@ -294,7 +276,8 @@ class DistributedGRPOLossOp:
         the precise error comes from the rank that holds the bad value, the others name the sequences. `derived`:
         the whole batch's `(advantages, rewards, groups)` when the advantages come from the rewards; `groups`:
         `(tp_group, dp_group)`, the key of a world call's deferred checks."""
-        seq_lo, seq_hi = contract.sharding.sequence_bounds
+        s = contract.sharding
+        seq_lo, seq_hi = s.sequence_bounds
         kept = [None if t is None else t.detach()
                 for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
         logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
@@ -306,6 +289,8 @@ class DistributedGRPOLossOp:
             check_logprobs(logp, logp_ref, mask)
             if derived is not None:
                 check_derived_advantages(*derived)
+            if s.tp_world_size * s.dp_world_size == 1:  # no other rank: `pending` says the inputs changed since
+                return
             seqs = flags.nonzero().flatten()[:8].tolist()
             raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage "
                                     f"or old log-prob, or a non-finite log-prob) on another rank, which names it")
@@ -313,7 +298,6 @@ class DistributedGRPOLossOp:
         if check_values == "sync":
             pending.raise_now(flags, recheck)
         else:
-            s = contract.sharding
             pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)",
                           group=groups if s.tp_world_size * s.dp_world_size > 1 else None)
 

@@ -18,8 +18,8 @@ import torch
 
 from .. import canonical
 from ..contract import (AdvantageStd, AdvantagesInput, DeterminismScope, GRPOLossContract, LossContractError,
-                        LossOptions, TokenNormalizer, check_inputs, check_logprobs, inverse_temperature,
-                        loss_options)
+                        LossOptions, TokenNormalizer, check_derived_advantages, check_inputs, check_logprobs,
+                        check_tensor, inverse_temperature, loss_options)
 from ..result import GRPOLossResult, provenance
 from .ratio_kl import selected_logprobs
 
@@ -70,9 +70,7 @@ class NativeGRPOLossOp:
         if reasons:
             raise LossContractError("contract: the native op cannot serve it: " + "; ".join(reasons))
         kind = contract.advantages_input
-        check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                     beta=contract.beta, values=False, rewards_required=True, advantages=advantages,
-                     advantages_input=kind)  # types before the contract's shape
+        check_tensor("policy_logits", policy_local_logits)  # its type, then the contract's shape, then the rest
         expected = (contract.num_sequences, contract.padded_seq_len, contract.vocab_size)
         if tuple(policy_local_logits.shape) != expected:
             raise LossContractError(f"policy_local_logits: expected [num_sequences, padded_seq_len, vocab_size] = "
@@ -97,6 +95,8 @@ class NativeGRPOLossOp:
             with torch.no_grad():
                 logp_ref = selected_logprobs(ref_logits, action_ids, mask, inv)
         check_logprobs(logp.detach(), logp_ref, mask)
+        if o.advantages_input is AdvantagesInput.REWARDS:  # a group whose sum or variance overflowed: NaN
+            check_derived_advantages(adv, rewards.detach().to(torch.float32), o.groups)
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp)
         lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp)
         policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi)

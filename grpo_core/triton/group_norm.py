@@ -10,7 +10,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ..canonical import STD_EPS, STD_FLOOR
-from ..contract import AdvantageStd
+from ..contract import FP32_MAX, AdvantageStd
 
 BLOCK = 1024
 MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2, AdvantageStd.UNBIASED_EPS: 3}
@@ -20,7 +20,8 @@ MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE
 def group_stats(r_ptr, lo, hi, floor, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """`(mean, scale, bad)` of the rewards `r_ptr[lo:hi]` in fp32: the advantage is `(r - mean) * scale`, with
     `scale = 1 / max(std, floor)` (population or Bessel std), `1 / (Bessel std + eps)` (unbiased_eps, TRL's) or 1
-    (no std); `bad` is 1 when a reward is not finite."""
+    (no std); `scale` is NaN where the variance overflows fp32 (NaN advantages, as `canonical.group_advantages`
+    gives); `bad` is 1 when a reward is not finite."""
     n = (hi - lo).to(tl.float32)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -42,6 +43,7 @@ def group_stats(r_ptr, lo, hi, floor, eps, MODE: tl.constexpr, BLOCK: tl.constex
             scale = 1.0 / (tl.sqrt(var) + eps)
         else:
             scale = 1.0 / tl.maximum(tl.sqrt(var), floor)
+        scale = tl.where(var <= FP32_MAX, scale, float("nan"))  # an overflow is not a std of inf (scale 0)
     return mean, scale, tl.max(bad, 0)
 
 

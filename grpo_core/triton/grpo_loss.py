@@ -58,8 +58,9 @@ def _sequence_kernel(
     seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL (SUMS)
     counts_ptr,  # out: int64 [B] = active tokens (mask set, id in range)
     flags_ptr,  # out: int32 [1 + B]; flags_ptr[1 + b] = 1 where a mask value is not 0 / 1, an id at an active
-    # token is outside [0, V), a reward of the sequence's group or a given advantage that an active token reads
-    # is not finite, or (SUMS) an active token's old log-prob or log-probs are not finite
+    # token is outside [0, V), a reward of the sequence's group, the advantage derived from them (its group's sum
+    # or variance overflowed) or a given advantage that an active token reads is not finite, or (SUMS) an active
+    # token's old log-prob or log-probs are not finite
     B, T, V, clip_low, clip_high, floor, eps,
     # Meta-parameters
     HAS_REF: tl.constexpr,
@@ -83,6 +84,7 @@ def _sequence_kernel(
         mean, scale, bad_seq = group_stats(r_ptr, tl.load(bounds_ptr + g), tl.load(bounds_ptr + g + 1), _f32(floor),
                                            _f32(eps), MODE, BLOCK_G)
         adv = (tl.load(r_ptr + b) - mean) * scale
+        bad_seq = tl.maximum(bad_seq, (~(tl.abs(adv) < float("inf"))).to(tl.int32))  # NaN too
     acc_policy = tl.zeros((BLOCK,), tl.float32)
     acc_kl = tl.zeros((BLOCK,), tl.float32)
     count = tl.zeros((BLOCK,), tl.int32)
@@ -354,7 +356,8 @@ class TritonGRPOLossOp:
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args)
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
-                           None if ref_logits is None else out[1].view(B, T), advantages)
+                           None if ref_logits is None else out[1].view(B, T), advantages,
+                           None if advantages is not None else (o.groups, o.std))
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,

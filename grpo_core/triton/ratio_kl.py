@@ -23,7 +23,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .. import canonical, pending
-from ..contract import LossContractError, check_inputs, check_logprobs, stand_in
+from ..contract import LossContractError, check_derived_advantages, check_inputs, check_logprobs, stand_in
 from .launch import pick, twins
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
@@ -381,9 +381,11 @@ CHECKS = ("deferred", "sync", "assert")
 
 def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_logits, ref_logits, action_ids,
                        old_logps, rewards, completion_mask, beta: float, logp: torch.Tensor,
-                       logp_ref: torch.Tensor | None, advantages: torch.Tensor | None = None) -> None:
+                       logp_ref: torch.Tensor | None, advantages: torch.Tensor | None = None,
+                       groups: tuple | None = None) -> None:
     """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward, given advantage or old log-prob
-    is bad or a log-prob is not finite) into the native op's `LossContractError`, by `check_values`:
+    is bad, a log-prob is not finite, or, with `groups` = `(CSR bounds, advantage std)`, an advantage derived from
+    the rewards is not finite) into the native op's `LossContractError`, by `check_values`:
     "deferred" (default): no device sync here; the error surfaces at a later call of an op that defers its checks
     (at the latest `pending.AHEAD` calls later), or at `grpo_core.raise_pending()` (`pending.py`); "sync": one
     device sync, raised by this call; "assert": a device-side assert (it ends the process's CUDA context), also
@@ -402,6 +404,9 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
         mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=beta,
                             rewards_required=rewards is not None, advantages=kept[4])
         check_logprobs(logp, logp_ref, mask)
+        if groups is not None:
+            r = kept[2].to(torch.float32)
+            check_derived_advantages(canonical.group_advantages(r, *groups), r, groups[0])
 
     if check_values == "sync":
         pending.raise_now(bad, recheck)
