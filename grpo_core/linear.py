@@ -59,7 +59,7 @@ __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
 BACKEND_ID = "linear/1"
 TORCH_CHUNK = 256  # tokens per chunk of the torch kernels (the dW fold's step)
 TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the matmul's K step: an fp32 [4096, V]
-# buffer (2.5 GB at V = 151936). No bit depends on it (dW's fold continues across chunks on K-step boundaries);
+# logits buffer and a dz buffer in the weight's dtype (2.5 + 1.2 GB at V = 151936). No bit depends on it (dW's fold continues across chunks on K-step boundaries);
 # 2048 halves the buffer but reads and writes the fp32 dW accumulator twice as often (4.4 GB a chunk at H = 3584)
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
@@ -141,10 +141,13 @@ class TritonKernels:
         return self.rows.merge_lse(torch.stack([m, s])[None], mask)[0], sel
 
     def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, clip_lo, clip_hi, beta, inv, dtype):
-        """Written over `z`'s own rows (in a 16-bit dtype, into the first half of each row's bytes)."""
+        """Into a buffer of its own (rows padded to 8 columns for TMA). Not over `z`'s own rows: a row's threads
+        write columns whose bytes other threads of the row have not read yet (the H200 showed it: a run-to-run test
+        moved 4 bits of dH)."""
         mask = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
         one = torch.ones(1, dtype=torch.float32, device=z.device)
-        out = z.view(dtype)[:, :z.shape[1]]
+        V = z.shape[1]
+        out = torch.empty((z.shape[0], -(-V // 8) * 8), dtype=dtype, device=z.device)[:, :V]
         return self.rows.grad(z, ids, mask.unsqueeze(1), logp, logp_ref, old, adv, w, lse, one, lo, clip_lo, clip_hi,
                               beta, inv, out=out)
 

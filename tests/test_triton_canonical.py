@@ -174,7 +174,8 @@ def test_derived_advantages_name_overflow_only_in_groups_of_finite_rewards():
 def test_statistics_the_kernels_cannot_address_are_refused():
     """Between 2**30 and 2**31 tile statistics per tensor the row kernel's 32-bit offsets wrap: 'triton' refuses,
     'auto' takes the torch kernels. Only the shape is read (an expanded tensor stands for the logits)."""
-    logits = torch.empty((), dtype=torch.bfloat16).expand(1 << 12, 256, 16 * 1024)  # 2**20 tokens x 1024 tiles
+    # on the device the kernels run on (a CPU tensor on a GPU machine is refused first, for its device)
+    logits = torch.empty((), dtype=torch.bfloat16, device=DEV).expand(1 << 12, 256, 16 * 1024)  # 2**20 x 1024 tiles
     with pytest.raises(LossContractError, match=r"cannot address the tile statistics of 1073741824"):
         DistributedGRPOLossOp(kernels="triton")._triton_runs(logits, 16)
     assert DistributedGRPOLossOp(kernels="triton")._triton_runs(logits, 32)  # 2**29 statistics
@@ -207,7 +208,7 @@ def test_a_single_process_call_repaired_in_place_is_not_blamed_on_another_rank(m
 
     monkeypatch.setattr(pending, "_local", collections.deque())
     monkeypatch.setattr(pending, "defer", defer)
-    inp = make_inputs(2, 3, 50, seed=2)
+    inp = make_inputs(2, 3, 50, seed=2, device=DEV)  # on the op's device: the repair below is of what it read
     inp["old_logps"][1, 0] = float("nan")  # the first token is active
     run(DistributedGRPOLossOp(kernels="triton"), inp, contract(50, 2, 3))
     inp["old_logps"][1, 0] = 0.0  # repaired in place before the check reads it

@@ -615,7 +615,7 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
          out: torch.Tensor | None = None) -> torch.Tensor:
     """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows); `adv` `[n]` or
     `[n, T]`; `inv` the fp32 inverse temperature. `out`: `[n * T, V_local]` rows to write instead (any dtype and row
-    stride; a row's bytes may be its own logits row's, which each program reads before it writes them over)."""
+    stride; never the logits' own bytes: a program's threads do not read a row in step with its writes)."""
     x = _rows2d(policy)
     N, V = x.shape
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device) if out is None else out
