@@ -59,8 +59,9 @@ __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
 BACKEND_ID = "linear/1"
 TORCH_CHUNK = 256  # tokens per chunk of the torch kernels (the dW fold's step)
 TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the matmul's K step: an fp32 [4096, V]
-# logits buffer and a dz buffer in the weight's dtype (2.5 + 1.2 GB at V = 151936). No bit depends on it (dW's fold continues across chunks on K-step boundaries);
-# 2048 halves the buffer but reads and writes the fp32 dW accumulator twice as often (4.4 GB a chunk at H = 3584)
+# logits buffer and a dz buffer in the weight's dtype (2.5 + 1.2 GB at V = 151936). No bit depends on it (dW's
+# fold continues across chunks on K-step boundaries); 2048 halves the buffers but reads and writes the fp32 dW
+# accumulator twice as often (4.4 GB a chunk at H = 3584)
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -390,8 +391,9 @@ class LinearGRPOLossOp:
             if ref_logps is not None:
                 bad = mask & ~torch.isfinite(ref_logps.float())
                 if bool(bad.any()):
+                    where = [tuple(p) for p in torch.nonzero(bad)[:8].tolist()]
                     raise LossContractError(f"ref_logps: expected finite values at active tokens, got non-finite at "
-                                            f"{torch.nonzero(bad)[:8].tolist()} (b, t)")
+                                            f"(b, t) {where}")
             return mask
 
         def replicated() -> str:  # what TP peers must share (the hidden states are not hashed: too large)
@@ -413,7 +415,6 @@ class LinearGRPOLossOp:
         rows = mask.reshape(-1).nonzero().squeeze(1)
         ids = action_ids.reshape(-1)[rows].long()
         seq_of = rows // T
-        flat_mask = mask.reshape(-1)
 
         counts = gather_sequences(mask.sum(-1), contract, dp_group)
         if contract.advantages_input is AdvantagesInput.REWARDS:
@@ -431,22 +432,22 @@ class LinearGRPOLossOp:
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
-        ref = None if ref_hidden is None else (ref_hidden.detach().reshape(-1, H),
-                                               (weight if ref_weight is None else ref_weight).detach(),
-                                               (bias if ref_weight is None and ref_bias is None else ref_bias))
-        if ref is not None and ref[2] is not None:
-            ref = (ref[0], ref[1], ref[2].detach())
+        ref = None
+        if ref_hidden is not None:  # without ref_weight the reference shares the policy's head, bias included
+            ref_b = ref_bias if ref_bias is not None or ref_weight is not None else bias
+            ref = (ref_hidden.detach().reshape(-1, H), (weight if ref_weight is None else ref_weight).detach(),
+                   None if ref_b is None else ref_b.detach())
         grads = None
         if wants_grad:
-            w_tok = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi][seq_of]
+            w_tok = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi]
             old_tok = None if old_logps is None else old_logps.detach().reshape(-1)[rows].float()
-            inputs = _CoefInputs(old_tok, adv_tok, w_tok, given_ref, clip_lo, clip_hi, contract.beta)
-            dh = torch.zeros((n_local * T, H), dtype=hidden.dtype, device=hidden.device) if hidden.requires_grad else None
-            dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
-            db = None
-            if bias is not None and bias.requires_grad:
-                db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            grads = (inputs, dh, dw, db)
+            inputs = _CoefInputs(old_tok, adv_tok, w_tok[seq_of], given_ref, clip_lo, clip_hi, contract.beta)
+
+            def zeros(t: torch.Tensor | None, shape, dtype) -> torch.Tensor | None:
+                return torch.zeros(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
+
+            grads = (inputs, zeros(hidden, (n_local * T, H), hidden.dtype), zeros(weight, weight.shape, torch.float32),
+                     zeros(bias, (weight.shape[0],), torch.float32))
         with torch.no_grad():
             logp_rows, ref_rows = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
                                               None if bias is None else bias.detach(), ids, rows, lp, tp_group, inv,
@@ -457,7 +458,9 @@ class LinearGRPOLossOp:
         logp = full.index_put((rows,), logp_rows).view(n_local, T)
         logp_ref = None if ref_rows is None else full.index_put((rows,), ref_rows).view(n_local, T)
         old = logp if old_logps is None else old_logps.detach().to(torch.float32)
-        bad = ~torch.isfinite(logp_rows) if ref_rows is None else ~(torch.isfinite(logp_rows) & torch.isfinite(ref_rows))
+        bad = ~torch.isfinite(logp_rows)
+        if ref_rows is not None:
+            bad |= ~torch.isfinite(ref_rows)
         flags = gather_sequences(torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(
             0, seq_of, bad.long()), contract, dp_group)
         if bool(flags.any()):
@@ -474,12 +477,11 @@ class LinearGRPOLossOp:
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                   contract.normalizer, contract.normalizer_value)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts)
-        if grads is not None:
+        if grads is not None:  # each stored gradient with the dtype it is handed over in
             _, dh, dw, db = grads
-            pairs = [None if dh is None else (dh.view(hidden.shape), hidden.dtype),
-                     None if dw is None else (dw, weight.dtype),
-                     None if db is None else (db, bias.dtype)]
-            loss = _Grads.apply(loss, hidden, weight, bias, [p if p is not None else (None, None) for p in pairs])
+            loss = _Grads.apply(loss, hidden, weight, bias, [
+                (None if dh is None else dh.view(hidden.shape), hidden.dtype), (dw, weight.dtype),
+                (db, None if bias is None else bias.dtype)])
         return GRPOLossResult(
             loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy, per_sequence_kl=per_seq_kl,
             advantages=advantages_all, per_sequence_active_tokens=counts, clip_fraction=clip_fraction,
@@ -560,7 +562,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torc
     rows = mask.reshape(-1).nonzero().squeeze(1)
     ids = action_ids.reshape(-1)[rows].long()
     with torch.no_grad():
-        logp, _ = _run_chunks(_kernels(kernels, hidden.device, contract.tile_width), hidden.detach().reshape(-1, H), weight.detach(),
+        k = _kernels(kernels, hidden.device, contract.tile_width)
+        logp, _ = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
                               None if bias is None else bias.detach(), ids, rows, contract, tp_group, inv)
     out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
     return out.index_put((rows,), logp).view(B, T)

@@ -260,7 +260,8 @@ def test_every_layout_gives_the_same_bits(kernels):
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(weight=torch.zeros(160, 15)), r"weight: expected \[V, H\] with H = 16 like hidden's last dim, got \[160, 15\]"),
+    (dict(weight=torch.zeros(160, 15)),
+     r"weight: expected \[V, H\] with H = 16 like hidden's last dim, got \[160, 15\]"),
     (dict(bias=torch.zeros(159)), r"bias: expected shape \[V\] = \[160\]"),
     (dict(ref_hidden=None), r"ref_logps / ref_hidden: one is required when beta > 0"),
     (dict(ref_logps=torch.zeros(4, 5)), r"ref_logps / ref_hidden: expected at most one"),
