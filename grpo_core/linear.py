@@ -492,6 +492,20 @@ class LinearGRPOLossOp:
                                   determinism_scope=contract.determinism_scope.value))
 
 
+def _plain_call(hidden: Any, weight: Any, completion_mask: Any) -> tuple[int, int, Any]:
+    """`(B, T, completion_mask)` of a plain call (the mask None: every token active), once `hidden` and `weight` are
+    a 3-D and a 2-D tensor."""
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight)
+    if hidden.dim() != 3 or weight.dim() != 2:
+        raise LossContractError(f"hidden / weight: expected [B, T, H] and [V, H], got {list(hidden.shape)} and "
+                                f"{list(weight.shape)}")
+    B, T, _ = hidden.shape
+    if completion_mask is None:
+        completion_mask = torch.ones((B, T), dtype=torch.bool, device=hidden.device)
+    return B, T, completion_mask
+
+
 def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,
                      old_logps: torch.Tensor | None = None, rewards: torch.Tensor | None = None,
                      completion_mask: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
@@ -506,15 +520,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
     make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
     `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
-    check_tensor("hidden", hidden)
-    check_tensor("weight", weight)
     check_tensor("action_ids", action_ids)
-    if hidden.dim() != 3 or weight.dim() != 2:
-        raise LossContractError(f"hidden / weight: expected [B, T, H] and [V, H], got {list(hidden.shape)} and "
-                                f"{list(weight.shape)}")
-    B, T, _ = hidden.shape
-    if completion_mask is None:
-        completion_mask = torch.ones((B, T), dtype=torch.bool, device=hidden.device)
+    B, T, completion_mask = _plain_call(hidden, weight, completion_mask)
     kind = AdvantagesInput.REWARDS
     if advantages is not None and isinstance(advantages, torch.Tensor):
         kind = AdvantagesInput.TOKEN if advantages.dim() == 2 else AdvantagesInput.SEQUENCE
@@ -539,12 +546,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torc
     (with `contract`, a `LogprobContract` over `B * T` tokens: this TP rank's `[local vocab, H]` rows): the very
     bits the loss computes for these tokens with the same kernels, so an old-policy or reference pass made with it
     feeds the loss without drift. No gradient."""
-    check_tensor("hidden", hidden)
-    check_tensor("weight", weight)
-    if hidden.dim() != 3 or weight.dim() != 2:
-        raise LossContractError(f"hidden / weight: expected [B, T, H] and [V, H], got {list(hidden.shape)} and "
-                                f"{list(weight.shape)}")
-    B, T, H = hidden.shape
+    B, T, completion_mask = _plain_call(hidden, weight, completion_mask)
+    H = hidden.shape[2]
     if contract is None:
         contract = LogprobContract(vocab_size=weight.shape[0], tile_width=vocab_tile, num_tokens=B * T)
     elif not isinstance(contract, LogprobContract) or contract.num_tokens != B * T:
@@ -552,8 +555,6 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torc
                                 f"{contract!r}")
     lo, hi = contract.local_bounds
     _check_linear(hidden, weight, bias, None, None, None, None, None, B, T, hi - lo, 0.0)
-    if completion_mask is None:
-        completion_mask = torch.ones((B, T), dtype=torch.bool, device=hidden.device)
     logits = stand_in((B, T, hi - lo), hidden.dtype, hidden.device)
     mask = check_inputs(logits, None, action_ids, torch.zeros((B, T), device=hidden.device),
                         torch.zeros(B, device=hidden.device), completion_mask, beta=0.0,
