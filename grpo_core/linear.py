@@ -51,7 +51,7 @@ from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, Lo
                        stand_in)
 from .distributed.grpo_loss import gather_sequences
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
-from .distributed.vocab_parallel_logprob import gather_tile_stats, scaled
+from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
 from .result import GRPOLossResult, provenance
 
 __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
@@ -91,14 +91,7 @@ class TorchKernels:
         return z if b is None else z + b.float()
 
     def lse(self, z, ids, lp: LogprobContract, tp_group, inv) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, hi = lp.local_bounds
-        m, s = canonical.tile_stats(scaled(z, inv), lp.tile_width)
-        local = ids - lo
-        owned = (local >= 0) & (local < hi - lo)
-        rows = torch.arange(z.shape[0], device=z.device)
-        selected = torch.where(owned, scaled(z[rows, local.clamp(0, hi - lo - 1)], inv), 0.0)
-        m, s, selected = gather_tile_stats(m, s, selected, ids, lp, tp_group)
-        return canonical.lse(*canonical.merge_stats(m, s)), selected
+        return vocab_parallel_lse(z, torch.arange(z.shape[0], device=z.device), ids, lp, tp_group, inv)
 
     def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, clip_lo, clip_hi, beta, inv, dtype) -> torch.Tensor:
         lo_t, hi_t = canonical.fp32(clip_lo, z), canonical.fp32(clip_hi, z)
@@ -108,9 +101,9 @@ class TorchKernels:
                                     adv, w, one, lo_t, hi_t, beta)
         if inv != 1.0:
             coef = coef * canonical.fp32(inv, coef)
-        cols = torch.arange(z.shape[1], device=z.device)
-        onehot = (cols == (ids - lo).unsqueeze(1)).to(torch.float32)
-        return (coef * (onehot - canonical.exp(scaled(z, inv) - lse.unsqueeze(1)))).to(dtype)
+        out = torch.empty(z.shape, dtype=dtype, device=z.device)
+        write_grad(out, z, torch.arange(z.shape[0], device=z.device), ids - lo, lse, coef[:, 0], z.shape[1], inv)
+        return out
 
     def dhidden(self, dz: torch.Tensor, w: torch.Tensor, acc: torch.Tensor, width: int) -> torch.Tensor:
         for start in range(0, dz.shape[1], width):
@@ -130,7 +123,7 @@ class TritonKernels:
         from .triton import canonical as rows, matmul
         self.rows, self.mm = rows, matmul.matmul
 
-    def logits(self, h, w, b):  # rows padded to 8 columns: 16-byte aligned, for the TMA loads of dz
+    def logits(self, h, w, b):  # rows padded to 8 columns: 16-byte aligned, the row kernel's aligned loads
         V = w.shape[0]
         z = torch.empty((h.shape[0], -(-V // 8) * 8), dtype=torch.float32, device=h.device)[:, :V]
         return self.mm(h, w.T, z, bias=b)
@@ -225,8 +218,8 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
         if grads is None:
             continue
         inputs, dh, dw, db = grads
-        chunk_ref = None if logp_ref is None and inputs.ref is None else (
-            logp_ref[start:stop] if logp_ref is not None else inputs.ref[start:stop])
+        refs = logp_ref if logp_ref is not None else inputs.ref  # computed here, or given
+        chunk_ref = None if refs is None else refs[start:stop]
         old = logp[start:stop] if inputs.old is None else inputs.old[start:stop]  # None: on-policy
         adv, w = inputs.adv[start:stop], inputs.w[start:stop]
         dz = k.dz(z, a, lo, lse, logp[start:stop], chunk_ref, old, adv, w, inputs.clip_lo, inputs.clip_hi,
