@@ -786,6 +786,16 @@ def check_derived_advantages(advantages: torch.Tensor, rewards: torch.Tensor, gr
             f"rewards down")
 
 
+def check_loss(loss: torch.Tensor) -> None:
+    """Raises where the loss of inputs that passed every other check is not finite: a per-token term (an advantage
+    times a ratio, a KL term) or a sum of them overflowed fp32, e.g. a given advantage of 3e38. Every backend runs it
+    last, on the loss every rank holds."""
+    if not bool(torch.isfinite(loss)):
+        raise LossContractError("loss: expected a finite float32 loss from finite inputs, got a non-finite one: an "
+                                "advantage times a ratio, a KL term, or a sum of them overflows float32; scale the "
+                                "rewards or advantages down")
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """The options a loss runs with, validated: from the plain call (`loss_options`) or from a contract

@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from . import canonical
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
-                       check_derived_advantages, check_inputs, check_temperature, check_tensor, inverse_temperature,
-                       stand_in)
+                       check_derived_advantages, check_inputs, check_loss, check_temperature, check_tensor,
+                       inverse_temperature, stand_in)
 from .distributed.grpo_loss import gather_sequences
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -260,7 +260,8 @@ class _Grads(torch.autograd.Function):
             raise RuntimeError("the fused linear loss's backward runs once (its gradients are computed in the forward "
                                "and handed over): call the loss again for another backward")
         g = grad_loss.to(torch.float32)
-        out = [None if t is None else t.mul_(g).to(dtype) for t, dtype in ctx.grads]  # in place: no second copy
+        out = [None if t is None else t.mul_(g) if t.dtype == dtype else  # in place, or in one pass into its dtype
+               torch.mul(t, g, out=torch.empty_like(t, dtype=dtype)) for t, dtype in ctx.grads]
         ctx.grads = None
         return None, *out, None
 
@@ -413,7 +414,6 @@ class LinearGRPOLossOp:
         if contract.advantages_input is AdvantagesInput.REWARDS:
             rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
             advantages_all = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
-            check_derived_advantages(advantages_all, rewards_all, contract.groups)  # every rank holds them
             adv = advantages_all[seq_lo:seq_hi]
         else:
             given = advantages.detach().to(torch.float32, copy=True)
@@ -456,8 +456,6 @@ class LinearGRPOLossOp:
             bad |= ~torch.isfinite(ref_rows)
         flags = gather_sequences(torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(
             0, seq_of, bad.long()), contract, dp_group)
-        if bool(flags.any()):
-            check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
 
         lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
@@ -469,6 +467,12 @@ class LinearGRPOLossOp:
         per_seq_policy, per_seq_kl, per_seq_ratio = sums
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                   contract.normalizer, contract.normalizer_value)
+        if bool(flags.any() | ~torch.isfinite(loss)):  # one sync, once all is queued; every rank holds both
+            if bool(flags.any()):
+                check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
+            if contract.advantages_input is AdvantagesInput.REWARDS:
+                check_derived_advantages(advantages_all, rewards_all, contract.groups)
+            check_loss(loss)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts)
         if grads is not None:  # each stored gradient with the dtype it is handed over in
             _, dh, dw, db = grads

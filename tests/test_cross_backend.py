@@ -186,6 +186,20 @@ def test_rewards_whose_group_statistics_overflow_are_refused_in_the_same_words(s
     check(inp, opts, None)
 
 
+@pytest.mark.parametrize("shape", ["sequence", "token"])
+def test_a_loss_that_overflows_float32_is_refused_in_the_same_words(shape):
+    """Finite given advantages of 3e38: the policy terms overflow, and every backend returned -inf or NaN with no
+    error; each raises the same `LossContractError` now, and a large advantage whose loss stays finite still runs."""
+    inp = make_inputs(4, 3, 17, seed=1, device=DEV)
+    inp["rewards"] = None
+    inp["advantages"] = torch.full((4, 3) if shape == "token" else (4,), 3e38, device=DEV)
+    assert errors_of(inp, dict(beta=0.04)) == {
+        "loss: expected a finite float32 loss from finite inputs, got a non-finite one: an advantage times a ratio, "
+        "a KL term, or a sum of them overflows float32; scale the rewards or advantages down"}
+    inp["advantages"] = torch.full_like(inp["advantages"], 1e30)
+    check(inp, dict(beta=0.04), None)
+
+
 def test_a_nan_beta_is_named_without_an_upper_bound():
     inp = make_inputs(4, 3, 17, seed=1, device=DEV)
     assert errors_of(inp, dict(beta=float("nan"), samples_per_prompt=2)) == {

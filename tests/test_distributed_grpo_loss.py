@@ -195,15 +195,17 @@ def world_suite(ctx) -> dict:
     # The Triton kernels (CUDA) defer the check to `pending.AHEAD` calls later; the torch ones raise in the call.
     nan_old = inp["old_logps"].clone()
     nan_old[tuple(inp["completion_mask"].nonzero()[0].tolist())] = float("nan")
+    # Old log-probs of -1e30 (finite): ratios of inf, a loss of inf; every rank raises it as one, at the same call.
     c = contract_for(case, lay, p.tp_rank, p.dp_rank)
-    out["deferred"] = None
-    for call in range(1 + pending.AHEAD):
-        msg = _expect_error(lambda: run_local(inp, c, dev, p.tp_group, p.dp_group,
-                                              **({"old_logps": nan_old} if call == 0 else {})))
-        if msg != "NO ERROR":
-            out["deferred"] = (call, msg, torch.device(dev).type)
-            break
-    run_local(inp, c, dev, p.tp_group, p.dp_group)
+    for key, bad in (("deferred", nan_old), ("overflow", torch.full_like(inp["old_logps"], -1e30))):
+        out[key] = None
+        for call in range(1 + pending.AHEAD):
+            msg = _expect_error(lambda: run_local(inp, c, dev, p.tp_group, p.dp_group,
+                                                  **({"old_logps": bad} if call == 0 else {})))
+            if msg != "NO ERROR":
+                out[key] = (call, msg, torch.device(dev).type)
+                break
+        run_local(inp, c, dev, p.tp_group, p.dp_group)
 
     # Preflight: every rank raises, none hangs.
     def bad_run(**over):
@@ -286,6 +288,10 @@ def test_a_bad_value_raises_on_every_rank_at_the_same_call(world):
     assert {g[0] for g in got} == {pending.AHEAD if got[0][2] == "cuda" else 0}, got
     # the rank pair that holds it names it (the preflight of the torch kernels tells every rank)
     assert sum("old_logps: expected finite values at active tokens" in g[1] for g in got) >= 2, got
+    got = [res["overflow"] for res in world[:4]]
+    assert all(g is not None for g in got), got
+    assert {g[0] for g in got} == {pending.AHEAD if got[0][2] == "cuda" else 0}, got
+    assert all("loss: expected a finite float32 loss from finite inputs" in g[1] for g in got), got
 
 
 @pytest.mark.parametrize("check,needles", [

@@ -287,6 +287,26 @@ def test_bad_inputs_name_the_argument(change, match):
                          inp["completion_mask"], **kw)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("case, match", [
+    ("rewards", r"rewards: the advantages of sequences \[0, 1\] are not finite: the sum or the variance"),
+    ("advantages", r"loss: expected a finite float32 loss from finite inputs, got a non-finite one"),
+    ("hidden", r"policy_logits: expected finite log-probabilities at active tokens, got NaN at \(b, t\) \[\(1, 0\)\]"),
+])
+def test_what_is_found_after_the_chunks_raises_the_logits_ops_words(kernels, case, match):
+    """Checked once, after the chunks are queued (one device sync): a group's reward variance that overflows fp32, a
+    loss that overflows it (given advantages of 3e38) and a non-finite log-prob each raise the logits ops' error."""
+    inp, kw = make(), dict(samples_per_prompt=2)
+    if case == "rewards":
+        inp["rewards"] = torch.tensor([3e38, -3e38, 0.5, -1.0], device=DEV)
+    elif case == "advantages":
+        inp["rewards"], kw = None, dict(advantages=torch.full((4,), 3e38, device=DEV), samples_per_prompt=None)
+    else:
+        inp["hidden"][1, 0, 0] = float("inf")
+    with pytest.raises(LossContractError, match=match):
+        run(inp, kernels, **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_run_to_run_on_the_gpu():

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .. import canonical, pending
 from ..contract import (AdvantagesInput, GRPOLossContract, LossContractError, check_derived_advantages,
-                        check_inputs, check_logprobs, check_tensor, inverse_temperature, stand_in)
+                        check_inputs, check_logprobs, check_loss, check_tensor, inverse_temperature, stand_in)
 from ..result import GRPOLossResult, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -224,7 +224,7 @@ class DistributedGRPOLossOp:
             scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
             loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
             # every rank holds the gathered flags: all raise together, at the same later call
-            self._defer(flag, flags, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
+            self._defer(flag, flags, loss, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
                         old_logps, rewards, advantages, completion_mask, logp, logp_ref,
                         None if rewards_all is None else (advantages_all, rewards_all, contract.groups),
                         (tp_group, dp_group))
@@ -235,6 +235,7 @@ class DistributedGRPOLossOp:
                 check_derived_advantages(advantages_all, rewards_all, contract.groups)
             loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                       contract.normalizer, contract.normalizer_value)
+            check_loss(loss)  # every rank holds the same loss: all raise together
             clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped,
                                                                                counts)
             if wants_grad:
@@ -270,10 +271,11 @@ class DistributedGRPOLossOp:
                                   determinism_scope=contract.determinism_scope.value))
 
     @staticmethod
-    def _defer(flag, flags, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
+    def _defer(flag, flags, loss, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
                completion_mask, logp, logp_ref, derived, groups) -> None:
-        """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`) to `pending` with this rank's inputs;
-        the precise error comes from the rank that holds the bad value, the others name the sequences. `derived`:
+        """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`, or 1 where the `loss` is not finite) to
+        `pending` with this rank's inputs; the precise error comes from the rank that holds the bad value, the others
+        name the sequences. `derived`:
         the whole batch's `(advantages, rewards, groups)` when the advantages come from the rewards; `groups`:
         `(tp_group, dp_group)`, the key of a world call's deferred checks."""
         s = contract.sharding
@@ -289,6 +291,8 @@ class DistributedGRPOLossOp:
             check_logprobs(logp, logp_ref, mask)
             if derived is not None:
                 check_derived_advantages(*derived)
+            if not bool(flags.any()):  # no input flagged on any rank: the loss itself (`_finish_kernel`'s flag)
+                check_loss(loss)
             if s.tp_world_size * s.dp_world_size == 1:  # no other rank: `pending` says the inputs changed since
                 return
             seqs = flags.nonzero().flatten()[:8].tolist()
@@ -296,7 +300,7 @@ class DistributedGRPOLossOp:
                                     f"or old log-prob, or a non-finite log-prob) on another rank, which names it")
 
         if check_values == "sync":
-            pending.raise_now(flags, recheck)
+            pending.raise_now(flag, recheck)
         else:
             pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)",
                           group=groups if s.tp_world_size * s.dp_world_size > 1 else None)

@@ -19,7 +19,7 @@ import torch
 from .. import canonical
 from ..contract import (AdvantageStd, AdvantagesInput, DeterminismScope, GRPOLossContract, LossContractError,
                         LossOptions, TokenNormalizer, check_derived_advantages, check_inputs, check_logprobs,
-                        check_tensor, inverse_temperature, loss_options)
+                        check_loss, check_tensor, inverse_temperature, loss_options)
 from ..result import GRPOLossResult, provenance
 from .ratio_kl import selected_logprobs
 
@@ -104,6 +104,7 @@ class NativeGRPOLossOp:
                                               mask.sum(dim=-1))
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
                                                   o.constant)
+        check_loss(loss.detach())
         ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
                                                                            counts)

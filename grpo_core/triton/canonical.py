@@ -382,7 +382,7 @@ def _finish_kernel(
     ints_ptr,  # int64 [3, S]: active tokens, bad-value flag, clipped tokens
     out_ptr,  # out: fp32 [6] = loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean
     w_ptr,  # out: fp32 [S] token weights (`canonical.token_weights`)
-    flag_ptr,  # out: int64 0-d = the largest flag
+    flag_ptr,  # out: int64 0-d = the largest flag, or 1 where the loss is not finite
     S, beta, constant,  # constant: the denominator when DENOM == "constant"
     # Meta-parameters
     MEANS: tl.constexpr,  # each sequence's token sums are divided by its active tokens first (0 when it has none)
@@ -425,13 +425,15 @@ def _finish_kernel(
     denom = n_tokens if DENOM == "tokens" else (n_seqs if DENOM == "sequences" else constant)
     policy = tl.math.div_rn(_pair_sum(pol, CHUNKS, LOG2C), denom)
     kl = tl.math.div_rn(_pair_sum(kls, CHUNKS, LOG2C), denom)
-    tl.store(out_ptr, policy + beta * kl)
+    loss = policy + beta * kl
+    tl.store(out_ptr, loss)
     tl.store(out_ptr + 1, policy)
     tl.store(out_ptr + 2, kl)
     tl.store(out_ptr + 3, tl.math.div_rn(tl.sum(clipped, 0).to(tl.float32), n_tokens))
     tl.store(out_ptr + 4, tl.math.div_rn(_pair_sum(ratios, CHUNKS, LOG2C), n_tokens))
     tl.store(out_ptr + 5, tl.math.div_rn(_pair_sum(kl_sums, CHUNKS, LOG2C), n_tokens))
-    tl.store(flag_ptr, tl.max(bad, 0))
+    loss_bad = tl.where(tl.abs(loss) <= _FP32_MAX, 0, 1).to(tl.int64)  # a NaN compares false: flagged too
+    tl.store(flag_ptr, tl.maximum(tl.max(bad, 0), loss_bad))
     for c in range(0, tl.cdiv(S, BLOCK)):
         i = c * BLOCK + tl.arange(0, BLOCK)
         n = tl.load(ints_ptr + i, mask=i < S, other=0)
@@ -536,8 +538,9 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width),
-            NT=max(1, min(CHUNK // width, triton.next_power_of_2(tiles))), SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0
-                                                     and t.stride(0) % 4 == 0 for t in (x, r)), **_fp(ROW_WARPS))
+            NT=max(1, min(CHUNK // width, triton.next_power_of_2(tiles))),
+            SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for t in (x, r)),
+            **_fp(ROW_WARPS))
     return sel, stats
 
 

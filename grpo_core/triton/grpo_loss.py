@@ -36,13 +36,14 @@ from torch.library import triton_op, wrap_triton
 
 from .. import pending
 from ..canonical import STD_EPS, STD_FLOOR
-from ..contract import AdvantageStd, TokenNormalizer, inverse_temperature, loss_options
+from ..contract import FP32_MAX, AdvantageStd, TokenNormalizer, inverse_temperature, loss_options
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .launch import finish_options, pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
+_FP32_MAX = tl.constexpr(FP32_MAX)  # a kernel reads a global only as a constexpr
 
 
 @triton.jit
@@ -140,7 +141,7 @@ def _finish_kernel(
     counts_ptr,  # int64 [B] active tokens per sequence
     weight_ptr,  # out: fp32 [B] = d loss / d (token term) of each sequence's tokens
     scalars_ptr,  # out: fp32 [3] = loss, policy_loss, kl (SUMS)
-    flags_ptr,  # int32 [1 + B]: [0] out: any flag set; [1:] the sequence flags
+    flags_ptr,  # int32 [1 + B]: [0] out: any flag set, or 1 where the loss is not finite; [1:] the sequence flags
     B, beta, constant,  # constant: the denominator when DENOM == "constant"
     # Meta-parameters
     MEANS: tl.constexpr,  # each sequence's token sums are divided by its active tokens first (0 when it has none)
@@ -183,17 +184,20 @@ def _finish_kernel(
         else:
             w = tl.full((BLOCK,), 1.0, tl.float32) / denom
         tl.store(weight_ptr + i, w, mask=inside)
-    if SUMS:
-        policy_loss = tl.sum(acc_policy, 0) / denom
-        kl = tl.sum(acc_kl, 0) / denom
-        tl.store(scalars_ptr, policy_loss + beta * kl)
-        tl.store(scalars_ptr + 1, policy_loss)
-        tl.store(scalars_ptr + 2, kl)
     bad = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, B, BLOCK):
         i = start + tl.arange(0, BLOCK)
         bad = tl.maximum(bad, tl.load(flags_ptr + 1 + i, mask=i < B, other=0))
-    tl.store(flags_ptr, tl.max(bad, 0))
+    bad = tl.max(bad, 0)
+    if SUMS:
+        policy_loss = tl.sum(acc_policy, 0) / denom
+        kl = tl.sum(acc_kl, 0) / denom
+        loss = policy_loss + beta * kl
+        tl.store(scalars_ptr, loss)
+        tl.store(scalars_ptr + 1, policy_loss)
+        tl.store(scalars_ptr + 2, kl)
+        bad = tl.maximum(bad, tl.where(tl.abs(loss) <= _FP32_MAX, 0, 1))  # a NaN compares false: flagged too
+    tl.store(flags_ptr, bad)
 
 
 def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
@@ -357,7 +361,7 @@ class TritonGRPOLossOp:
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
                            None if ref_logits is None else out[1].view(B, T), advantages,
-                           None if advantages is not None else (o.groups, o.std))
+                           None if advantages is not None else (o.groups, o.std), scalars[0])
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,

@@ -23,7 +23,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .. import canonical, pending
-from ..contract import LossContractError, check_derived_advantages, check_inputs, check_logprobs, stand_in
+from ..contract import (LossContractError, check_derived_advantages, check_inputs, check_logprobs, check_loss,
+                        stand_in)
 from .launch import pick, twins
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
@@ -382,10 +383,10 @@ CHECKS = ("deferred", "sync", "assert")
 def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_logits, ref_logits, action_ids,
                        old_logps, rewards, completion_mask, beta: float, logp: torch.Tensor,
                        logp_ref: torch.Tensor | None, advantages: torch.Tensor | None = None,
-                       groups: tuple | None = None) -> None:
+                       groups: tuple | None = None, loss: torch.Tensor | None = None) -> None:
     """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward, given advantage or old log-prob
     is bad, a log-prob is not finite, or, with `groups` = `(CSR bounds, advantage std)`, an advantage derived from
-    the rewards is not finite) into the native op's `LossContractError`, by `check_values`:
+    the rewards is not finite, or the `loss` is not finite) into the native op's `LossContractError`, by `check_values`:
     "deferred" (default): no device sync here; the error surfaces at a later call of an op that defers its checks
     (at the latest `pending.AHEAD` calls later), or at `grpo_core.raise_pending()` (`pending.py`); "sync": one
     device sync, raised by this call; "assert": a device-side assert (it ends the process's CUDA context), also
@@ -394,7 +395,8 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
         raise LossContractError(f"check_values: expected one of {CHECKS}, got {check_values!r}")
     if check_values == "assert" or torch.compiler.is_compiling():
         torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards, old_logps, advantages or completion_mask "
-                                      "values or non-finite log-probs (check_values='sync' gives the precise error)")
+                                      "values, non-finite log-probs or a non-finite loss (check_values='sync' gives "
+                                      "the precise error)")
         return
     # What the precise check reads; the logits only lend their shape, dtype and device.
     kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
@@ -407,6 +409,8 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
         if groups is not None:
             r = kept[2].to(torch.float32)
             check_derived_advantages(canonical.group_advantages(r, *groups), r, groups[0])
+        if loss is not None:
+            check_loss(loss)
 
     if check_values == "sync":
         pending.raise_now(bad, recheck)
