@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -92,6 +93,33 @@ def backends(beta: float) -> dict:
     return out
 
 
+def profile(B: int, T: int, H: int, V: int, betas: list[float], active: float, steps: int = 3) -> None:
+    """`torch.profiler` over `steps` forward+backward steps of the `linear` backend: GPU time per kernel against
+    the steps' wall time (the difference: the GPU idle between launches)."""
+    i = inputs(B, T, H, V, active)
+    h, w = i["hidden"].detach().requires_grad_(True), i["weight"].detach().requires_grad_(True)
+    for beta in betas:
+        fn = backends(beta)["linear"]
+
+        def step():
+            fn(i, h, w).backward()
+            h.grad = w.grad = None
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / steps * 1e3
+        print(f"{B}x{T},{H},{V} beta={beta}: {wall:.1f} ms wall a step (under the profiler), GPU time a step:")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+            print(f"  {e.device_time_total / steps / 1e3:8.2f} ms  {e.count // steps:4d} launches  {e.key[:70]}")
+        total = sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
+        print(f"  {total:8.2f} ms  all kernels", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="8x1024,3584,151936;32x2048,3584,151936;8x1024,4096,128256;"
@@ -101,7 +129,11 @@ def main() -> None:
     p.add_argument("--skip", default="", help="comma-separated backends to skip (e.g. native,liger); "
                                            "BACKEND@BxT skips one at that size only (liger@32x2048)")
     p.add_argument("--out", default="linear_grpo_loss")
+    p.add_argument("--profile", action="store_true", help="profile the first config's `linear` steps instead of "
+                                                          "timing (nothing appended)")
     args = p.parse_args()
+    if args.profile:
+        return profile(*parse(args.configs)[0], [float(b) for b in args.betas.split(",")], args.active)
     skip, prov = set(filter(None, args.skip.split(","))), provenance()
     rate = matmul_rate()
     print(f"bf16 matmul rate {rate / 1e12:.1f} TFLOP/s", flush=True)
