@@ -279,6 +279,12 @@ def combine(per_seq_policy: torch.Tensor, per_seq_kl: torch.Tensor, counts: torc
     return loss, policy_loss.detach(), kl.detach()
 
 
+def given_logprobs(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Log-probs given by the caller (e.g. the reference model's, `ref_logps`) as the kernels read them: fp32,
+    detached, 0.0 on masked tokens (which may hold anything)."""
+    return torch.where(mask, logps.detach().to(F32), 0.0)
+
+
 def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,
                  exp=exp) -> tuple[torch.Tensor, torch.Tensor]:
     """`ratio = exp(masked(logp - old))` (mask before exp: 1.0 on masked tokens) and `kl = exp(d) - d - 1`

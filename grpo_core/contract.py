@@ -642,21 +642,24 @@ def stand_in(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> tor
 def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps: Any, rewards: Any,
                  completion_mask: Any, *, beta: float, vocab_size: int | None = None,
                  num_rewards: int | None = None, values: bool = True, rewards_required: bool = False,
-                 advantages: Any = None, advantages_input: AdvantagesInput | None = None) -> torch.Tensor:
+                 advantages: Any = None, advantages_input: AdvantagesInput | None = None,
+                 ref_logps: Any = None) -> torch.Tensor:
     """Checks the loss inputs against each other and returns the completion mask as bool `[B, T]`.
 
-    Types first: every argument must be a tensor with data (`ref_logits` may be None; `rewards` and
+    Types first: every argument must be a tensor with data (`ref_logits` may be None, and so may `ref_logps`, the
+    reference's log-probs `[B, T]` given in its place: at most one of the two, and one when beta > 0; `rewards` and
     `advantages` too, but a loss, `rewards_required`, takes exactly one of them). `policy_logits` is
     `[B, T, V_local]`; `vocab_size` is the global vocabulary that `action_ids` index (default: `V_local`).
     `num_rewards` (default `B`) is the number of sequences that `rewards` `[n]` and `advantages` `[n]` or `[n, T]`
     cover. `advantages_input` (the contract path): the input the contract declares. Values: rewards must be
     finite once cast to float32 (the loss's precision), ids in range and `old_logps` and advantages finite (in
-    float32) at active tokens (a sequence's advantage where it has one); masked positions may hold anything
+    float32) at active tokens (a sequence's advantage where it has one), and so must given `ref_logps`; masked positions may hold anything
     (padding ids, NaN). `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller
     then owes `check_inputs(..., values=True)` when its kernels flag bad values.
     """
     for name, t, optional in (("policy_logits", policy_logits, False), ("ref_logits", ref_logits, True),
-                              ("action_ids", action_ids, False), ("old_logps", old_logps, False),
+                              ("ref_logps", ref_logps, True), ("action_ids", action_ids, False),
+                              ("old_logps", old_logps, False),
                               ("rewards", rewards, None), ("advantages", advantages, None),
                               ("completion_mask", completion_mask, False)):
         if optional is not None or t is not None:  # rewards / advantages: None is `check_one_source`'s matter
@@ -670,12 +673,19 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     for name, t in (("policy_logits", policy_logits), ("ref_logits", ref_logits)):
         if t is not None and t.dtype not in _LOGIT_DTYPES:
             raise LossContractError(f"{name}: expected dtype float32, float16 or bfloat16, got {t.dtype}")
-    if ref_logits is None:
+    if ref_logits is not None and ref_logps is not None:
+        raise LossContractError("ref_logits / ref_logps: expected at most one reference, got both (the reference "
+                                "model's logits, or its log-probs of the action ids)")
+    if ref_logits is None and ref_logps is None:
         if beta != 0.0:
             raise LossContractError(f"ref_logits: required when beta > 0 (beta={beta}); pass the reference "
-                                    f"model's logits or set beta=0")
-    else:
+                                    f"model's logits, or its log-probs as ref_logps, or set beta=0")
+    elif ref_logits is not None:
         _shape("ref_logits", ref_logits, (B, T, V), "[B, T, V] like policy_logits")
+    else:
+        _shape("ref_logps", ref_logps, (B, T), "[B, T]")
+        if not ref_logps.is_floating_point():
+            raise LossContractError(f"ref_logps: expected a floating dtype, got {ref_logps.dtype}")
     if completion_mask.dim() != 2:
         raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {list(completion_mask.shape)}")
     _shape("completion_mask", completion_mask, (B, T), "[B, T]")
@@ -702,8 +712,9 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         raise LossContractError(f"action_ids: expected dtype int64 or int32, got {action_ids.dtype}")
     if not old_logps.is_floating_point():
         raise LossContractError(f"old_logps: expected a floating dtype, got {old_logps.dtype}")
-    for name, t in (("ref_logits", ref_logits), ("action_ids", action_ids), ("old_logps", old_logps),
-                    ("rewards", rewards), ("advantages", advantages), ("completion_mask", completion_mask)):
+    for name, t in (("ref_logits", ref_logits), ("ref_logps", ref_logps), ("action_ids", action_ids),
+                    ("old_logps", old_logps), ("rewards", rewards), ("advantages", advantages),
+                    ("completion_mask", completion_mask)):
         if t is not None and t.device != policy_logits.device:
             raise LossContractError(f"{name}: expected device {policy_logits.device} like policy_logits, "
                                     f"got {t.device}")
@@ -732,6 +743,11 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     if bool(bad_old.any()):
         raise LossContractError(f"old_logps: expected finite values at active tokens, got non-finite at (b, t) "
                                 f"{_tokens(bad_old)}")
+    if ref_logps is not None:
+        bad_ref = mask & ~torch.isfinite(ref_logps.to(torch.float32))
+        if bool(bad_ref.any()):
+            raise LossContractError(f"ref_logps: expected finite values at active tokens, got non-finite at (b, t) "
+                                    f"{_tokens(bad_ref)} (checked in float32)")
     if advantages is not None:
         finite = torch.isfinite(advantages.to(torch.float32))  # after the cast, like rewards
         if advantages.dim() == 2:
@@ -822,14 +838,14 @@ class LossOptions:
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                  samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
                  values: bool = True, *, temperature: Any = 1.0, advantages: Any = None, loss_type: Any = None,
-                 max_completion_length: Any = None) -> LossOptions:
+                 max_completion_length: Any = None, ref_logps: Any = None) -> LossOptions:
     """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                       normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
                       loss_type=loss_type, max_completion_length=max_completion_length,
                       rewards_input=advantages is None)
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
-                        values=values, rewards_required=True, advantages=advantages)
+                        values=values, rewards_required=True, advantages=advantages, ref_logps=ref_logps)
     B, T = mask.shape
     if B == 0:
         raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")

@@ -37,7 +37,8 @@ class Scenario:
     empty: tuple[int, ...] = ()  # sequences without an active token
     identity: bool = False  # reference == policy, old_logps == the policy's own log-probs
     hidden: int = 0  # > 0: the fused linear loss, from hidden states [S, T, hidden] and a weight [vocab, hidden]
-    reference: str = "hidden"  # linear: the reference as 'hidden' states or as given 'logps'
+    reference: str = "model"  # the reference model's input ('model': its logits, or its hidden states for a linear
+    #                            scenario) or its log-probs as given ('logps': canonical, of the same input)
     temperature: float = 1.0
 
     @property
@@ -80,8 +81,15 @@ class Scenario:
         old = own.view(S, T) + 0.25 * normalish(rng, (S, T))
         if self.identity:
             ref, old = policy, own.view(S, T)
-        return dict(policy_logits=policy, ref_logits=ref if self.beta > 0 else None, action_ids=ids, old_logps=old,
-                    rewards=normalish(rng, (S,)), completion_mask=mask)
+        out = dict(policy_logits=policy, ref_logits=ref if self.beta > 0 else None, action_ids=ids, old_logps=old,
+                   rewards=normalish(rng, (S,)), completion_mask=mask, ref_logps=None)
+        if self.beta > 0 and self.reference == "logps":
+            if self.temperature != 1.0:
+                raise ValueError(f"{self.name}: reference='logps' of logits is written for temperature 1.0")
+            ref_logps, _ = VocabParallelLogprobOp()(ref.reshape(S * T, V), ids.reshape(-1),
+                                                    contract=self.contract().logprob_contract, mask=mask.reshape(-1))
+            out["ref_logits"], out["ref_logps"] = None, ref_logps.view(S, T)
+        return out
 
 
     def _linear_inputs(self) -> dict[str, torch.Tensor | None]:
@@ -138,6 +146,8 @@ SCENARIOS = {s.name: s for s in [
     Scenario("bf16_logits", vocab=1031, seed=8, dtype="bfloat16"),
     Scenario("wide_exponent", vocab=4099, seed=9, wide=True, groups={"group_boundaries": (0, 3, 5, 8)}),
     Scenario("identity", vocab=1000, seed=10, identity=True),
+    Scenario("ref_logps_bf16_csr", vocab=1031, seed=14, dtype="bfloat16", reference="logps", clip=(0.2, 0.28),
+             advantage_std="unbiased_eps", groups={"group_boundaries": (0, 2, 5, 8)}),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),

@@ -1,6 +1,6 @@
 """Every backend agrees, or raises the same error: a property test over shapes, dtypes, layouts, masks, options
-(those added for migration too: temperature, given advantages, TRL's loss types and std) and a sprinkling of bad
-values.
+(those added for migration too: temperature, given advantages, the reference as given log-probs, TRL's loss types
+and std) and a sprinkling of bad values.
 
 For each draw, the native op, the fast Triton op and the deterministic path at 1x1 (torch kernels, and Triton
 kernels) either all raise `LossContractError` with the same message, or all return results within the dtype's
@@ -18,13 +18,15 @@ from hypothesis import strategies as st
 
 from conftest import HAS_CUDA, assert_close_verbose, make_inputs
 from grpo_core import GRPOLossContract, LossContractError, kernel_registry
+from grpo_core.contract import inverse_temperature
+from grpo_core.native.ratio_kl import selected_logprobs
 from grpo_core.distributed import DistributedGRPOLossOp
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 EXAMPLES = int(os.environ.get("GRPO_PROPERTY_EXAMPLES", 200 if HAS_CUDA else 20))
 TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 BAD = ["id_high", "id_negative", "old_nan", "reward_inf", "mask_two", "logit_nan", "logit_inf", "action_minus_inf",
-       "ref_nan", "advantage_nan"]
+       "ref_nan", "advantage_nan", "ref_logps_nan"]
 native = kernel_registry.get_op("grpo_loss", backend="native")
 fast = kernel_registry.get_op("grpo_loss", backend="triton")
 
@@ -63,7 +65,11 @@ def case(draw) -> tuple[dict, dict, str | None]:
         inp["advantages"] = torch.randn(shape, generator=torch.Generator().manual_seed(T * V)).to(DEV)
     if opts["beta"] == 0.0 and draw(st.booleans()):
         inp["ref_logits"] = None
-    for name in ("policy_logits", "action_ids", "old_logps", "rewards", "advantages", "completion_mask"):
+    elif draw(st.booleans()):  # the reference as given log-probs (`ref_logps`), its logits never passed
+        inp["ref_logps"] = selected_logprobs(inp["ref_logits"], inp["action_ids"], inp["completion_mask"].bool(),
+                                             inverse_temperature(opts["temperature"]))
+        inp["ref_logits"] = None
+    for name in ("policy_logits", "action_ids", "old_logps", "rewards", "advantages", "completion_mask", "ref_logps"):
         if inp.get(name) is not None:
             inp[name] = relayout(inp[name], draw(st.sampled_from(["dense", "transposed", "sliced", "offset"])))
     bad = draw(st.sampled_from([None] * 4 + BAD))
@@ -89,6 +95,8 @@ def case(draw) -> tuple[dict, dict, str | None]:
             inp["policy_logits"][b, t, inp["action_ids"][b, t]] = float("-inf")
         elif bad == "ref_nan" and inp["ref_logits"] is not None:
             inp["ref_logits"][b, t, 0] = float("nan")
+        elif bad == "ref_logps_nan" and inp.get("ref_logps") is not None:
+            inp["ref_logps"][b, t] = float("nan")
     return inp, opts, bad
 
 
@@ -112,7 +120,7 @@ def run_all(inp: dict, opts: dict) -> dict[str, tuple | str]:
         calls[f"deterministic_{kernels}"] = lambda call, op=op: tuple(op.apply(
             call["policy_logits"], call["action_ids"], call["old_logps"], call["rewards"], contract=contract(),
             completion_mask=call["completion_mask"], ref_local_logits=call["ref_logits"], check_values="sync",
-            advantages=call.get("advantages")))
+            advantages=call.get("advantages"), ref_logps=call.get("ref_logps")))
     out = {}
     for name, fn in calls.items():
         x = inp["policy_logits"].detach().clone().requires_grad_(True)

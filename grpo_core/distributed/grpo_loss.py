@@ -126,17 +126,20 @@ class DistributedGRPOLossOp:
     def apply(self, policy_local_logits: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor,
               rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
-              check_values: str = "deferred", advantages: torch.Tensor | None = None) -> GRPOLossResult:
+              check_values: str = "deferred", advantages: torch.Tensor | None = None,
+              ref_logps: torch.Tensor | None = None) -> GRPOLossResult:
         """`check_values` (the Triton kernels; the torch ones check in the call): "deferred" checks the values
         without a device sync and raises at a later call (at the latest `pending.AHEAD` calls later) or at
-        `grpo_core.raise_pending()`, "sync" in this call (`pending.py`)."""
+        `grpo_core.raise_pending()`, "sync" in this call (`pending.py`). `ref_logps` `[n_local, padded_seq_len]`:
+        the reference's log-probs of the action ids, given in place of `ref_local_logits` (the same on TP
+        siblings)."""
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
         pending.poll((tp_group, dp_group))  # this op's collective checks: every rank raises at the same call
         triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
-                   "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
-                   "completion_mask": completion_mask}
+                   "ref_logps": ref_logps, "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards,
+                   "advantages": advantages, "completion_mask": completion_mask}
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
             nonlocal triton_runs
@@ -154,7 +157,8 @@ class DistributedGRPOLossOp:
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                                 beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
                                 rewards_required=True, values=not triton_runs, advantages=advantages,
-                                advantages_input=contract.advantages_input)  # Triton: flags, no device sync
+                                advantages_input=contract.advantages_input,
+                                ref_logps=ref_logps)  # Triton: flags, no device sync
 
         def replicated() -> str:  # compared on the TP axis only
             if contract.sharding.tp_world_size == 1:
@@ -164,7 +168,8 @@ class DistributedGRPOLossOp:
             if advantages is not None:  # only what active tokens read must agree
                 given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
             return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
-                                     torch.where(active, old_logps, 0), rewards, given)
+                                     torch.where(active, old_logps, 0), rewards, given,
+                                     None if ref_logps is None else torch.where(active, ref_logps, 0))
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         s = contract.sharding
@@ -173,6 +178,7 @@ class DistributedGRPOLossOp:
         lp = contract.logprob_contract
         x = policy_local_logits.detach()
         ref = None if ref_local_logits is None else ref_local_logits.detach()
+        given_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
         old = old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
         if triton_runs:
             from ..triton import canonical as kernels
@@ -191,8 +197,8 @@ class DistributedGRPOLossOp:
         clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
         if triton_runs:  # the kernels flag bad values per sequence: no device sync
             logp, logp_ref, lse, sums, ints = self._triton_forward(
-                x, ref, action_ids, old, completion_mask, mask, adv_kernels, rewards_kernels, contract.vocab_size, lp,
-                tp_group, clip_lo, clip_hi, inv)
+                x, ref, given_ref, action_ids, old, completion_mask, mask, adv_kernels, rewards_kernels,
+                contract.vocab_size, lp, tp_group, clip_lo, clip_hi, inv)
         else:
             lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
             rows = mask.reshape(-1).nonzero().squeeze(1)
@@ -204,7 +210,7 @@ class DistributedGRPOLossOp:
                 return full.index_put((rows,), selected - lse).view(n_local, T), lse, ~torch.isfinite(selected - lse)
 
             logp, lse, bad_rows = logprobs(x)
-            logp_ref = None
+            logp_ref = given_ref  # checked finite at active tokens by the preflight
             if ref is not None:
                 logp_ref, _, bad_ref = logprobs(ref)
                 bad_rows |= bad_ref
@@ -224,8 +230,8 @@ class DistributedGRPOLossOp:
             scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
             loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
             # every rank holds the gathered flags: all raise together, at the same later call
-            self._defer(flag, flags, loss, check_values, contract, policy_local_logits, ref_local_logits, action_ids,
-                        old_logps, rewards, advantages, completion_mask, logp, logp_ref,
+            self._defer(flag, flags, loss, check_values, contract, policy_local_logits, ref_local_logits, ref_logps,
+                        action_ids, old_logps, rewards, advantages, completion_mask, logp, logp_ref,
                         None if rewards_all is None else (advantages_all, rewards_all, contract.groups),
                         (tp_group, dp_group))
         else:
@@ -271,7 +277,7 @@ class DistributedGRPOLossOp:
                                   determinism_scope=contract.determinism_scope.value))
 
     @staticmethod
-    def _defer(flag, flags, loss, check_values, contract, policy, ref, action_ids, old_logps, rewards, advantages,
+    def _defer(flag, flags, loss, check_values, contract, policy, ref, ref_logps, action_ids, old_logps, rewards, advantages,
                completion_mask, logp, logp_ref, derived, groups) -> None:
         """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`, or 1 where the `loss` is not finite) to
         `pending` with this rank's inputs; the precise error comes from the rank that holds the bad value, the others
@@ -281,13 +287,13 @@ class DistributedGRPOLossOp:
         s = contract.sharding
         seq_lo, seq_hi = s.sequence_bounds
         kept = [None if t is None else t.detach()
-                for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
+                for t in (action_ids, old_logps, rewards, completion_mask, advantages, ref_logps)]
         logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
 
         def recheck() -> None:
             mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=contract.beta,
                                 vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo, rewards_required=True,
-                                advantages=kept[4], advantages_input=contract.advantages_input)
+                                advantages=kept[4], advantages_input=contract.advantages_input, ref_logps=kept[5])
             check_logprobs(logp, logp_ref, mask)
             if derived is not None:
                 check_derived_advantages(*derived)
@@ -306,10 +312,11 @@ class DistributedGRPOLossOp:
                           group=groups if s.tp_world_size * s.dp_world_size > 1 else None)
 
     @staticmethod
-    def _triton_forward(x, ref, action_ids, old, completion_mask, mask, adv, rewards, vocab, lp, tp_group, clip_lo,
+    def _triton_forward(x, ref, given_ref, action_ids, old, completion_mask, mask, adv, rewards, vocab, lp, tp_group, clip_lo,
                         clip_hi, inv):
         """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [3, n], ints [3, n])`
-        (`kernels.sequence_sums`)."""
+        (`kernels.sequence_sums`); `given_ref`: the reference's log-probs as given (fp32, 0.0 on masked tokens), in
+        place of `ref`."""
         from ..triton import canonical as kernels
         n, T = mask.shape
         sel, stats = kernels.row_stats(x, ref, action_ids, mask, lp.local_bounds[0], lp.tile_width, inv)
@@ -321,7 +328,7 @@ class DistributedGRPOLossOp:
             sel = torch.stack([g[2] for g in gathered])
         lse = kernels.merge_lse(stats, mask)
         logp = torch.where(mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
-        logp_ref = logp[1] if ref is not None else None
+        logp_ref = logp[1] if ref is not None else given_ref
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, old, completion_mask, action_ids, adv, rewards, vocab,
                                            clip_lo, clip_hi)
         return logp[0], logp_ref, lse[0], sums, ints

@@ -5,8 +5,8 @@ pairwise trees, portable bits); the log-softmax and the exp of the ratio and the
 agrees with the deterministic path to fp32 rounding, not to the bit. A temperature multiplies the fp32 logits by
 `fp32(1 / temperature)` (as the deterministic path does) before the log-softmax; at 1.0 nothing is multiplied.
 
-Only `policy_logits` receives a gradient: `ref_logits`, `old_logps`, `rewards` and given `advantages` are
-detached, whatever their `requires_grad`, as on every backend. A non-finite selected log-probability at an
+Only `policy_logits` receives a gradient: `ref_logits` (or `ref_logps`), `old_logps`, `rewards` and given
+`advantages` are detached, whatever their `requires_grad`, as on every backend. A non-finite selected log-probability at an
 active token raises (`contract.check_logprobs`), as on every backend.
 """
 
@@ -39,15 +39,17 @@ class NativeGRPOLossOp:
                  normalizer: TokenNormalizer | str | None = None, normalizer_constant: float | None = None,
                  advantage_std: AdvantageStd | str | None = None, temperature: float = 1.0,
                  advantages: torch.Tensor | None = None, loss_type: str | None = None,
-                 max_completion_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 max_completion_length: int | None = None, ref_logps: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
         'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
-        with rewards."""
+        with rewards; `ref_logps` `[B, T]`: the reference's log-probs of the action ids, given in place of
+        `ref_logits` (pass `ref_logits=None`)."""
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
-                         max_completion_length=max_completion_length)
-        return tuple(self._run(policy_logits, ref_logits, action_ids, old_logps, rewards, advantages, o, {}))
+                         max_completion_length=max_completion_length, ref_logps=ref_logps)
+        return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {}))
 
     def supports(self, contract: GRPOLossContract) -> list[str]:
         """Reasons this op cannot serve `contract` (empty when it can)."""
@@ -64,7 +66,7 @@ class NativeGRPOLossOp:
     def apply(self, policy_local_logits: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor,
               rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
-              advantages: torch.Tensor | None = None) -> GRPOLossResult:
+              advantages: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> GRPOLossResult:
         """`rewards` or `advantages`: the one `contract.advantages_input` declares."""
         reasons = self.supports(contract)
         if reasons:
@@ -76,11 +78,12 @@ class NativeGRPOLossOp:
             raise LossContractError(f"policy_local_logits: expected [num_sequences, padded_seq_len, vocab_size] = "
                                     f"{list(expected)} from the contract, got {list(policy_local_logits.shape)}")
         mask = check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
-                            beta=contract.beta, rewards_required=True, advantages=advantages, advantages_input=kind)
-        return self._run(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, advantages,
+                            beta=contract.beta, rewards_required=True, advantages=advantages, advantages_input=kind,
+                            ref_logps=ref_logps)
+        return self._run(policy_local_logits, ref_local_logits, ref_logps, action_ids, old_logps, rewards, advantages,
                          LossOptions.of(contract, mask), {"fingerprint": contract.fingerprint()})
 
-    def _run(self, policy_logits, ref_logits, action_ids, old_logps, rewards, advantages, o: LossOptions,
+    def _run(self, policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o: LossOptions,
              extra) -> GRPOLossResult:
         mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
         if o.advantages_input is AdvantagesInput.REWARDS:
@@ -90,7 +93,7 @@ class NativeGRPOLossOp:
             adv = canonical.used_advantages(advantages, mask)
         inv = inverse_temperature(o.temperature)
         logp = selected_logprobs(policy_logits, action_ids, mask, inv)
-        logp_ref = None
+        logp_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
         if ref_logits is not None:
             with torch.no_grad():
                 logp_ref = selected_logprobs(ref_logits, action_ids, mask, inv)

@@ -215,10 +215,11 @@ _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 
 def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high, beta, inv,
-             single_pass, means, denom, constant, grad=None):
+             single_pass, means, denom, constant, ref_logps=None, grad=None):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
     loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
-    advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. Two-pass mode launches the row kernel
+    advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. `ref_logps` (fp32 `[B * T]`, in place of
+    `ref`): the reference's log-probs as given. Two-pass mode launches the row kernel
     first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
     gradient (default: a new tensor)."""
     B, T, V = policy.shape
@@ -235,12 +236,12 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
 
     def rows_kernel():
         return launch_forward(launch, policy, ref, ids, mask, None, old, adv, weight,
-                              grad if single_pass else None, clip_low, clip_high, beta, inv)
+                              grad if single_pass else None, clip_low, clip_high, beta, inv, ref_logps)
 
     def sequences(out, sums):
         launch(_sequence_kernel)[(B,)](
             out, old, source, source if given else bounds, source if given else group_of, mask, ids, adv, seq, counts,
-            flags, B, T, V, clip_low, clip_high, STD_FLOOR, STD_EPS, HAS_REF=ref is not None, SUMS=sums,
+            flags, B, T, V, clip_low, clip_high, STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None, SUMS=sums,
             CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
             BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
@@ -257,13 +258,13 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
                  old: torch.Tensor, source: torch.Tensor, bounds: torch.Tensor | None, group_of: torch.Tensor | None,
                  std: int, clip_low: float, clip_high: float, beta: float, inv: float, single_pass: bool, means: bool,
-                 denom: str, constant: float
+                 denom: str, constant: float, ref_logps: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [3, N], adv [B] or [B, T], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token
     log-probs, the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode
     `d loss / d policy` (else an empty tensor)."""
     return _forward(wrap_triton, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high,
-                    beta, inv, single_pass, means, denom, constant)
+                    beta, inv, single_pass, means, denom, constant, ref_logps)
 
 
 @triton_op("grpo_core::grpo_backward", mutates_args={})
@@ -330,13 +331,14 @@ class TritonGRPOLossOp:
                  advantage_std: AdvantageStd | str | None = None, temperature: float = 1.0,
                  advantages: torch.Tensor | None = None, loss_type: str | None = None,
                  max_completion_length: int | None = None, single_pass: bool = False, inplace: bool = False,
-                 check_values: str = "deferred") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 check_values: str = "deferred", ref_logps: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, values=False, temperature=temperature, advantages=advantages,
-                         loss_type=loss_type, max_completion_length=max_completion_length)
+                         loss_type=loss_type, max_completion_length=max_completion_length, ref_logps=ref_logps)
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
@@ -350,8 +352,10 @@ class TritonGRPOLossOp:
             source, groups = rewards.float().contiguous(), (*group_tensors(o.groups, x.device), MODES[o.std])
         else:  # no group statistics: the kernels read the advantages as given
             source, groups = advantages.detach().float().contiguous(), (None, None, 0)
+        given_ref = None if ref_logps is None else flat(ref_logps.detach().float())  # read at active tokens only
+        has_ref = ref_logits is not None or given_ref is not None
         args = (ref_logits, action_ids, completion_mask, old, source, *groups, *clip, inv, single,
-                *finish_options(o.normalizer, o.constant, B))
+                *finish_options(o.normalizer, o.constant, B), given_ref)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
         elif torch.compiler.is_compiling():
@@ -360,10 +364,10 @@ class TritonGRPOLossOp:
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args)
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
-                           None if ref_logits is None else out[1].view(B, T), advantages,
-                           None if advantages is not None else (o.groups, o.std), scalars[0])
+                           out[1].view(B, T) if has_ref else None, advantages,
+                           None if advantages is not None else (o.groups, o.std), scalars[0], ref_logps)
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
-                                   (*clip, ref_logits is not None, inv))
+                                   (*clip, has_ref, inv))
         return loss, policy_loss, kl

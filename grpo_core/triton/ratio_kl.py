@@ -181,7 +181,8 @@ def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, act
 
 def _logprob_fwd_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
-    r_ptr,  # reference logits [N, V], rows `stride_r` apart (read only with HAS_REF)
+    r_ptr,  # reference logits [N, V], rows `stride_r` apart (HAS_REF and REF_ROWS), or given fp32 log-probs [N]
+    #         (HAS_REF and not REF_ROWS)
     ids_ptr,  # action ids [N]
     mask_ptr,  # completion mask [N], nonzero = active
     out_ptr,  # out: fp32 [3, N] = logp, logp_ref, lse (0.0 on masked tokens)
@@ -195,6 +196,7 @@ def _logprob_fwd_kernel(
     clip_low, clip_high, beta, inv,  # inv: the inverse temperature (SCALE)
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    REF_ROWS: tl.constexpr,  # HAS_REF: the reference log-probs from its logits' rows, else as given in `r_ptr`
     SINGLE_PASS: tl.constexpr,
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
@@ -217,10 +219,13 @@ def _logprob_fwd_kernel(
     logp_ref = tl.zeros((), tl.float32)
     lse = tl.zeros((), tl.float32)
     if active:
-        lse, lse_ref = _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF, SCALE, VEC_X, VEC_R, BLOCK)
+        lse, lse_ref = _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, REF_ROWS, SCALE, VEC_X, VEC_R, BLOCK)
         logp = _scaled(tl.load(x_row + action), inv, SCALE) - lse
         if HAS_REF:
-            logp_ref = _scaled(tl.load(r_row + action), inv, SCALE) - lse_ref
+            if REF_ROWS:
+                logp_ref = _scaled(tl.load(r_row + action), inv, SCALE) - lse_ref
+            else:
+                logp_ref = tl.load(r_ptr + row)
     tl.store(out_ptr + row, logp)
     tl.store(out_ptr + N + row, logp_ref)
     tl.store(out_ptr + 2 * N + row, lse)
@@ -289,13 +294,14 @@ def block(V: int) -> int:
 
 
 def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
-                   clip_high=0.0, beta=0.0, inv=1.0) -> torch.Tensor:
+                   clip_high=0.0, beta=0.0, inv=1.0, ref_logps=None) -> torch.Tensor:
     """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one): per-token
     `[3, N]` log-probs of the logits times `inv` (the fp32 inverse temperature); `err [1]` (int32, zeroed by the
     caller; or None) is set to 1 when an active id is out of range. Single pass (`grad`): `adv` is `[B]` or `[B, T]`
-    (one per token)."""
+    (one per token). `ref_logps` (fp32 `[B, T]`, in place of `ref`): the reference's log-probs as given."""
     x = rows(policy)
     r = rows(ref) if ref is not None else x
+    given = flat(ref_logps) if ref_logps is not None else None
     N, V = x.shape
     out = torch.empty(3, N, dtype=torch.float32, device=x.device)
     single = grad is not None
@@ -303,9 +309,10 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
     if N == 0 or V == 0:  # T = 0, or V = 0 (no token can be active): nothing to read
         return out.zero_()
     launch(pick(_FWD, V, x.stride(0), r.stride(0), g.stride(0)))[(N,)](
-        x, r, flat(ids), flat(mask), out, out if err is None else err, flat(old) if single else out,
-        flat(adv) if single else out, weight if single else out, g, N, policy.shape[1], V, x.stride(0), r.stride(0),
-        g.stride(0), clip_low, clip_high, beta, inv, HAS_REF=ref is not None, SINGLE_PASS=single,
+        x, r if given is None else given, flat(ids), flat(mask), out, out if err is None else err,
+        flat(old) if single else out, flat(adv) if single else out, weight if single else out, g, N, policy.shape[1],
+        V, x.stride(0), r.stride(0), g.stride(0), clip_low, clip_high, beta, inv,
+        HAS_REF=ref is not None or given is not None, REF_ROWS=ref is not None, SINGLE_PASS=single,
         TOKEN_ADV=single and adv.dim() == 2, SCALE=inv != 1.0, FLAG_IDS=err is not None, VEC_X=16 // x.element_size(),
         VEC_R=16 // r.element_size(), BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
@@ -383,7 +390,7 @@ CHECKS = ("deferred", "sync", "assert")
 def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_logits, ref_logits, action_ids,
                        old_logps, rewards, completion_mask, beta: float, logp: torch.Tensor,
                        logp_ref: torch.Tensor | None, advantages: torch.Tensor | None = None,
-                       groups: tuple | None = None, loss: torch.Tensor | None = None) -> None:
+                       groups: tuple | None = None, loss: torch.Tensor | None = None, ref_logps=None) -> None:
     """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward, given advantage or old log-prob
     is bad, a log-prob is not finite, or, with `groups` = `(CSR bounds, advantage std)`, an advantage derived from
     the rewards is not finite, or the `loss` is not finite) into the native op's `LossContractError`, by `check_values`:
@@ -399,12 +406,13 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
                                       "the precise error)")
         return
     # What the precise check reads; the logits only lend their shape, dtype and device.
-    kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages)]
+    kept = [None if t is None else t.detach()
+            for t in (action_ids, old_logps, rewards, completion_mask, advantages, ref_logps)]
     logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy_logits, ref_logits)]
 
     def recheck() -> None:
         mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=beta,
-                            rewards_required=rewards is not None, advantages=kept[4])
+                            rewards_required=rewards is not None, advantages=kept[4], ref_logps=kept[5])
         check_logprobs(logp, logp_ref, mask)
         if groups is not None:
             r = kept[2].to(torch.float32)
