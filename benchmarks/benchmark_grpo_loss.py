@@ -10,7 +10,9 @@ The deterministic path (`topology_invariant`, the Triton kernels of the canonica
 and `deterministic_tp2` / `deterministic_tp4`: the kernels one rank of a 2- / 4-way vocabulary split runs (its
 shard's tile statistics, the merge of all ranks' statistics, the token sums, its shard's gradient), on one GPU,
 without the all_gather of the statistics (`[tokens, vocab / tile]` floats). `deterministic_torch` is the torch
-reference of the same bits.
+reference of the same bits. Backends named `*_ref_logps` take the reference as given log-probs (`ref_logps`,
+computed before the timing) instead of its logits: their floors count one logits tensor, not two (forward aE/BW,
+forward+backward (a+1)E/BW, two-pass (2a+1)E/BW).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from grpo_core import (AdvantageStd, GRPOLossContract, ShardingSpec, TokenNormal
                        kernel_registry)
 from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
 from grpo_core.triton import canonical as kernels  # noqa: E402
-from grpo_core.triton.ratio_kl import BLOCK_V, NUM_STAGES, NUM_WARPS  # noqa: E402
+from grpo_core.triton.ratio_kl import BLOCK_V, NUM_STAGES, NUM_WARPS, token_logprobs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -40,7 +42,8 @@ def deterministic(spp: int, kernels_name: str):
         c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, samples_per_prompt=spp, beta=0.04,
                              determinism_scope="topology_invariant")
         return op.apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"], contract=c,
-                        completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"]).loss
+                        completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"],
+                        ref_logps=inp.get("ref_logps")).loss
     return run
 
 
@@ -84,7 +87,10 @@ def backends(spp: int, skip: set[str]) -> dict:
         for suffix, check in (("", "deferred"), ("_unchecked", "assert")):  # the default, and no host-side check
             out[f"triton_{mode}{suffix}"] = (lambda inp, single=single, check=check: triton_op(
                 **inp, samples_per_prompt=spp, single_pass=single, check_values=check)[0])
+    out["triton_two_pass_ref_logps"] = lambda inp: triton_op(**inp, samples_per_prompt=spp)[0]
+    out["triton_single_pass_ref_logps"] = lambda inp: triton_op(**inp, samples_per_prompt=spp, single_pass=True)[0]
     out["deterministic"] = deterministic(spp, "triton")
+    out["deterministic_ref_logps"] = deterministic(spp, "triton")
     out["deterministic_tp2"] = one_tp_rank(spp, 2)
     out["deterministic_tp4"] = one_tp_rank(spp, 4)
     out["deterministic_torch"] = deterministic(spp, "torch")
@@ -127,9 +133,13 @@ def main() -> None:
         E = inp["policy_logits"].numel() * inp["policy_logits"].element_size()
         a = inp["completion_mask"].float().mean().item()
         bw = copy_bandwidth(E)
-        floors = {"fwd": 2 * a * E / bw * 1e3, "fwd_bwd": (2 * a + 1) * E / bw * 1e3,
-                  "fwd_bwd_two_pass": (3 * a + 1) * E / bw * 1e3}
+        given = {**inp, "ref_logits": None,  # the reference's log-probs, as its own no-grad pass would hand them
+                 "ref_logps": token_logprobs(inp["ref_logits"], None, inp["action_ids"],
+                                             inp["completion_mask"])[0][0].view(B, T)}
         for name, fn in backends(S, skip).items():
+            streams = 1 if name.endswith("_ref_logps") else 2  # logits tensors read in the forward
+            floors = {"fwd": streams * a * E / bw * 1e3, "fwd_bwd": (streams * a + 1) * E / bw * 1e3,
+                      "fwd_bwd_two_pass": ((streams + 1) * a + 1) * E / bw * 1e3}
             if name == "liger":
                 inp["liger_policy"] = torch.cat([inp["policy_logits"], inp["policy_logits"][:, :1]], 1)
                 inp["liger_ref"] = torch.cat([inp["ref_logits"], inp["ref_logits"][:, :1]], 1)
@@ -140,7 +150,7 @@ def main() -> None:
                 shard = {**inp, "full_vocab": (B, T, V), "policy_logits": inp["policy_logits"][..., lo:hi].contiguous(),
                          "ref_logits": inp["ref_logits"][..., lo:hi].contiguous()}
             for mode in ("fwd", "fwd_bwd"):
-                base = shard or inp
+                base = shard or (given if streams == 1 else inp)
                 x = (base["liger_policy"] if name == "liger" else base["policy_logits"]).detach()
                 x.requires_grad_(mode == "fwd_bwd")
                 key = "liger_policy" if name == "liger" else "policy_logits"
@@ -170,7 +180,7 @@ def main() -> None:
                       f"peak {peak:9.1f} MiB", flush=True)
             inp.pop("liger_policy", None), inp.pop("liger_ref", None)
             del shard
-        del inp
+        del inp, given
         torch.cuda.empty_cache()
     report(rows, args.out)
 

@@ -267,7 +267,7 @@ def liger_cases(backend=None):
         ref_logp = _select(inp["ref_logits"][:, :-1].float() / temperature, inp["ids"])  # fused_selective_log_softmax
         adv = torch.randn(B, generator=torch.Generator().manual_seed(seed))
         max_len = 16 if loss_type == "dr_grpo" and seed % 2 else None
-        env = dict(ref_logits=inp["ref_logits"], old_logp=inp["old"], completion_ids=inp["ids"], advantages=adv,
+        env = dict(ref_logp=ref_logp, old_logp=inp["old"], completion_ids=inp["ids"], advantages=adv,
                    completion_mask=inp["mask"], temperature=temperature, beta=beta, eps_low=0.2, eps_high=0.28,
                    loss_type=loss_type, max_completion_length=max_len)
         yield (f"liger {loss_type} beta={beta} T={temperature} {str(dtype)[6:]}",
@@ -285,6 +285,7 @@ def trl_cases(backend=None):
         advantages = trl_advantages(inp["rewards"], UNIFORM)
         max_len = 16 if loss_type == "dr_grpo" else None
         env = dict(ref_logits=inp["ref_logits"], completion_ids=inp["ids"], old_per_token_logps=inp["old"],
+                   ref_per_token_logps=_select(inp["ref_logits"] / temperature, inp["ids"]),
                    completion_mask=inp["mask"], rewards=inp["rewards"], num_generations=UNIFORM,
                    advantages=advantages, temperature=temperature, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
                    loss_type=loss_type, max_completion_length=max_len)
