@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 
 from . import canonical
+from .checks import check_derived_advantages, check_inputs, check_loss, check_tensor, stand_in
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
-                       check_derived_advantages, check_inputs, check_loss, check_temperature, check_tensor,
-                       inverse_temperature, stand_in)
+                       check_temperature, inverse_temperature)
 from .distributed.grpo_loss import gather_sequences
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad

@@ -58,7 +58,7 @@ def test_layouts_are_named_as_the_gate_prints_and_accepts_them():
 
 
 def test_the_semantics_name_every_dtype_the_checks_accept():
-    from grpo_core.contract import _LOGIT_DTYPES
+    from grpo_core.checks import _LOGIT_DTYPES
     semantics = README.split("### Semantics worth knowing\n", 1)[1].split("\n## ", 1)[0]
     words = " ".join(semantics.split())
     assert all(str(d).removeprefix("torch.") in words for d in _LOGIT_DTYPES)

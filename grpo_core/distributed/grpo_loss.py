@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import canonical, pending
-from ..contract import (AdvantagesInput, GRPOLossContract, LossContractError, check_derived_advantages,
-                        check_inputs, check_logprobs, check_loss, check_tensor, inverse_temperature, stand_in)
+from ..checks import check_derived_advantages, check_inputs, check_logprobs, check_loss, check_tensor, stand_in
+from ..contract import AdvantagesInput, GRPOLossContract, LossContractError, inverse_temperature
 from ..result import GRPOLossResult, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad

@@ -44,7 +44,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..contract import GRPOLossContract, LossContractError, check_logprobs
+from ..checks import check_logprobs
+from ..contract import GRPOLossContract, LossContractError
 
 STAGES = ("dp", "tp", "dp")
 _seat_calls: dict[tuple, int] = {}  # (axis, tp_world, dp_world, tp_rank, dp_rank) -> calls made on it
@@ -275,7 +276,7 @@ def _settle(seat: tuple, axis: str, group: Any, global_rank: int, errors: list[s
 
 def check_logprobs_everywhere(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torch.Tensor,
                               gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """`contract.check_logprobs` over the global batch, on every rank: call it on every rank together once the
+    """`checks.check_logprobs` over the global batch, on every rank: call it on every rank together once the
     gathered flags say a log-prob is non-finite. `gather` concatenates every DP rank's `[n_local, ...]` rows
     (exact copies), so every rank raises the very message a single process gives, with global `(b, t)`."""
     ref = logp_ref if logp_ref is not None else torch.zeros_like(logp)

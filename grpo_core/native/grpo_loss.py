@@ -7,7 +7,7 @@ agrees with the deterministic path to fp32 rounding, not to the bit. A temperatu
 
 Only `policy_logits` receives a gradient: `ref_logits` (or `ref_logps`), `old_logps`, `rewards` and given
 `advantages` are detached, whatever their `requires_grad`, as on every backend. A non-finite selected log-probability at an
-active token raises (`contract.check_logprobs`), as on every backend.
+active token raises (`checks.check_logprobs`), as on every backend.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from .. import canonical
+from ..checks import (LossOptions, check_derived_advantages, check_inputs, check_logprobs, check_loss, check_tensor,
+                      loss_options)
 from ..contract import (AdvantageStd, AdvantagesInput, DeterminismScope, GRPOLossContract, LossContractError,
-                        LossOptions, TokenNormalizer, check_derived_advantages, check_inputs, check_logprobs,
-                        check_loss, check_tensor, inverse_temperature, loss_options)
+                        TokenNormalizer, inverse_temperature)
 from ..result import GRPOLossResult, provenance
 from .ratio_kl import selected_logprobs
 

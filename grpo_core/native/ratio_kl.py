@@ -2,7 +2,7 @@
 
 Plain PyTorch in fp32 whatever the logits dtype. Only active rows are read: masked rows never touch the
 log-softmax, so whatever they hold (padding, inf, NaN) leaves the outputs and the gradient untouched. At active
-tokens, a non-finite selected log-probability raises (`contract.check_logprobs`), as in the loss.
+tokens, a non-finite selected log-probability raises (`checks.check_logprobs`), as in the loss.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import canonical
-from ..contract import check_inputs, check_logprobs
+from ..checks import check_inputs, check_logprobs
 
 
 def selected_logprobs(logits: torch.Tensor, action_ids: torch.Tensor, mask: torch.Tensor,

@@ -36,7 +36,8 @@ from torch.library import triton_op, wrap_triton
 
 from .. import pending
 from ..canonical import STD_EPS, STD_FLOOR
-from ..contract import FP32_MAX, AdvantageStd, TokenNormalizer, inverse_temperature, loss_options
+from ..checks import loss_options
+from ..contract import FP32_MAX, AdvantageStd, TokenNormalizer, inverse_temperature
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .launch import finish_options, pick, twins

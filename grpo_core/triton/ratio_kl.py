@@ -23,8 +23,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .. import canonical, pending
-from ..contract import (LossContractError, check_derived_advantages, check_inputs, check_logprobs, check_loss,
-                        stand_in)
+from ..checks import check_derived_advantages, check_inputs, check_logprobs, check_loss, stand_in
+from ..contract import LossContractError
 from .launch import pick, twins
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
