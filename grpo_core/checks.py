@@ -28,7 +28,8 @@ def _type_name(value: Any) -> str:
 
 
 def check_tensor(name: str, value: Any, *, optional: bool = False) -> None:
-    """`value` must be a `torch.Tensor` with data (None too when `optional`); checked before anything reads it."""
+    """`value` must be a dense `torch.Tensor` with data (None too when `optional`) whose values are its storage's;
+    checked before anything reads it."""
     if value is None and optional:
         return
     if not isinstance(value, torch.Tensor):
@@ -38,6 +39,12 @@ def check_tensor(name: str, value: Any, *, optional: bool = False) -> None:
     if value.device.type == "meta":
         raise LossContractError(f"{name}: expected a tensor with data (on the CPU or a GPU), got a meta-device "
                                 f"tensor of shape {list(value.shape)}")
+    if value.layout != torch.strided:
+        raise LossContractError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}; convert it "
+                                f"with .to_dense()")
+    if value.is_neg() or value.is_conj():  # the kernels read the storage, not the lazy view over it
+        raise LossContractError(f"{name}: expected a tensor without a lazy negation or conjugation bit, got one; "
+                                f"materialize it with .resolve_neg() / .resolve_conj()")
 
 
 def _tokens(bad: torch.Tensor) -> str:
@@ -93,7 +100,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     `num_rewards` (default `B`) is the number of sequences that `rewards` `[n]` and `advantages` `[n]` or `[n, T]`
     cover. `advantages_input` (the contract path): the input the contract declares. Values: rewards must be
     finite once cast to float32 (the loss's precision), ids in range and `old_logps` and advantages finite (in
-    float32) at active tokens (a sequence's advantage where it has one), and so must given `ref_logps`; masked positions may hold anything
+    float32) at active tokens (a sequence's advantage where it has one), and so must given `ref_logps`; masked
+    positions may hold anything
     (padding ids, NaN). `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller
     then owes `check_inputs(..., values=True)` when its kernels flag bad values.
     """

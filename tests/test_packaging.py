@@ -37,8 +37,8 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_ships_the_library_the_harness_and_the_reports(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("grpo_core/contract.py", "grpo_core/checks.py", "grpo_core/distributed/grpo_loss.py",
-                   "grpo_core/triton/grpo_loss.py", "harness/__main__.py", "harness/cli.py", "harness/golden.py", "harness/scenarios.py",
-                   "reports/__main__.py", "reports/drift.py"):
+                   "grpo_core/triton/grpo_loss.py", "harness/__main__.py", "harness/cli.py", "harness/golden.py",
+                   "harness/scenarios.py", "reports/__main__.py", "reports/drift.py"):
         assert module in names, module
     assert not [n for n in names if n.split("/")[0] in ("tests", "benchmarks", "examples", "golden")]
 

@@ -115,6 +115,10 @@ def every_backend(inp, ref) -> dict[str, str]:
              "its log-probs of the action ids)"),
     ("shape", "ref_logps: expected shape [B, T] = [4, 5], got [4, 6]"),
     ("dtype", "ref_logps: expected a floating dtype, got torch.int64"),
+    ("sparse", "ref_logps: expected a dense (strided) tensor, got layout torch.sparse_coo; convert it with "
+               ".to_dense()"),
+    ("negated", "ref_logps: expected a tensor without a lazy negation or conjugation bit, got one; materialize it "
+                "with .resolve_neg() / .resolve_conj()"),
     ("neither", "ref_logits: required when beta > 0 (beta=0.04); pass the reference model's logits, or its "
                 "log-probs as ref_logps, or set beta=0"),
 ])
@@ -131,6 +135,10 @@ def test_bad_ref_logps_raise_the_same_words_on_every_backend(change, message):
         ref["ref_logps"] = torch.zeros(4, 6, device=DEV)
     elif change == "dtype":
         ref["ref_logps"] = torch.zeros(4, 5, dtype=torch.int64, device=DEV)
+    elif change == "sparse":
+        ref["ref_logps"] = ref["ref_logps"].to_sparse()
+    elif change == "negated":  # the fast op once read its storage, +1.5 (a helper's find)
+        ref["ref_logps"] = torch._neg_view(-ref["ref_logps"])
     else:
         ref = {}
     got = every_backend(inp, ref)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -172,123 +174,206 @@ class DistributedGRPOLossOp:
                                      None if ref_logps is None else torch.where(active, ref_logps, 0))
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
-        s = contract.sharding
-        (seq_lo, seq_hi), v_lo = s.sequence_bounds, s.vocab_bounds[0]
-        n_local, T = seq_hi - seq_lo, contract.padded_seq_len
-        lp = contract.logprob_contract
-        x = policy_local_logits.detach()
-        ref = None if ref_local_logits is None else ref_local_logits.detach()
-        given_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
-        old = old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
-        if triton_runs:
-            from ..triton import canonical as kernels
-        rewards_kernels = rewards_all = None  # what the Triton kernels check
+        k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
+        c = _Call(contract, mask, policy_local_logits, ref_local_logits, ref_logps, action_ids, old_logps, rewards,
+                  advantages, completion_mask, tp_group, dp_group, check_values)
+        seq_lo, seq_hi = contract.sharding.sequence_bounds
+        rewards_local = rewards_all = None
         if contract.advantages_input is AdvantagesInput.REWARDS:
-            rewards_kernels = rewards.detach().to(torch.float32)
-            rewards_all = gather_sequences(rewards_kernels, contract, dp_group)
-            advantages_all = (kernels if triton_runs else canonical).group_advantages(
-                rewards_all, contract.groups, contract.advantage_std)
-            adv = adv_kernels = advantages_all[seq_lo:seq_hi]
+            rewards_local = rewards.detach().to(torch.float32)
+            rewards_all = c.gather(rewards_local)
+            advantages_all = k.group_advantages(rewards_all, contract)
+            adv = advantages_all[seq_lo:seq_hi]
         else:
-            adv_kernels = advantages.detach().to(torch.float32, copy=True)  # the kernels read what active tokens read
-            advantages_all = gather_sequences(adv_kernels, contract, dp_group)  # as given, for the result
-            adv = adv_kernels if triton_runs else canonical.used_advantages(adv_kernels, mask)
-        inv = inverse_temperature(contract.temperature)
-        clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
-        if triton_runs:  # the kernels flag bad values per sequence: no device sync
-            logp, logp_ref, lse, sums, ints = self._triton_forward(
-                x, ref, given_ref, action_ids, old, completion_mask, mask, adv_kernels, rewards_kernels,
-                contract.vocab_size, lp, tp_group, clip_lo, clip_hi, inv)
-        else:
-            lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
-            rows = mask.reshape(-1).nonzero().squeeze(1)
-            ids = action_ids.reshape(-1)[rows].long()
-
-            def logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                lse, selected = vocab_parallel_lse(logits.reshape(n_local * T, -1), rows, ids, lp, tp_group, inv)
-                full = torch.zeros(n_local * T, dtype=torch.float32, device=x.device)
-                return full.index_put((rows,), selected - lse).view(n_local, T), lse, ~torch.isfinite(selected - lse)
-
-            logp, lse, bad_rows = logprobs(x)
-            logp_ref = given_ref  # checked finite at active tokens by the preflight
-            if ref is not None:
-                logp_ref, _, bad_ref = logprobs(ref)
-                bad_rows |= bad_ref
-            ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
-            bad = torch.zeros(n_local * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
-            local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
-            sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t)),
-                                self._token_sum(kl_tok), local_ratio])
-            ints = torch.stack([mask.sum(-1), bad.view(n_local, T).sum(-1), local_clipped])
+            given = advantages.detach().to(torch.float32, copy=True)
+            advantages_all = c.gather(given)  # as given, for the result
+            adv = k.token_advantages(given, mask)
+        given_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
+        ref = None if ref_local_logits is None else ref_local_logits.detach()
+        logp, logp_ref, sums, ints, state = k.forward(c, policy_local_logits.detach(), ref, given_ref, adv,
+                                                      rewards_local)
         # Every rank holds the whole batch's per-sequence vectors, gathered in DP-rank order.
-        ints = gather_sequences(ints.T, contract, dp_group).T.contiguous()
-        sums = gather_sequences(sums.T, contract, dp_group).T.contiguous()
-        counts, flags, clipped = ints
-        per_seq_policy, per_seq_kl, per_seq_ratio = sums
-        wants_grad = policy_local_logits.requires_grad and torch.is_grad_enabled()
-        if triton_runs:
-            scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
-            loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
-            # every rank holds the gathered flags: all raise together, at the same later call
-            self._defer(flag, flags, loss, check_values, contract, policy_local_logits, ref_local_logits, ref_logps,
-                        action_ids, old_logps, rewards, advantages, completion_mask, logp, logp_ref,
-                        None if rewards_all is None else (advantages_all, rewards_all, contract.groups),
-                        (tp_group, dp_group))
-        else:
-            if bool(flags.any()):  # every rank holds the gathered flags: all raise together, same words
-                check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
-            if rewards_all is not None:  # every rank holds them: all raise together
-                check_derived_advantages(advantages_all, rewards_all, contract.groups)
-            loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
-                                                      contract.normalizer, contract.normalizer_value)
-            check_loss(loss)  # every rank holds the same loss: all raise together
-            clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped,
-                                                                               counts)
-            if wants_grad:
-                w = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)
-        if wants_grad:
+        ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
+        scalars, w, flag = k.finish(sums, ints, contract)
+        loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
+        k.settle(c, flag, ints[1], loss, logp, logp_ref,
+                 None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
+        if policy_local_logits.requires_grad and torch.is_grad_enabled():
             w = w[seq_lo:seq_hi]
-            if triton_runs:
-                def backward(logits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
-                    return kernels.grad(logits, action_ids, mask, logp, logp_ref, old, adv, w, lse, grad_loss, v_lo,
-                                        clip_lo, clip_hi, contract.beta, inv)
-            else:
-                coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, mask, lo_t, hi_t, contract.beta)
-                coef = coef.reshape(-1)[rows]
-
-                def backward(logits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
-                    flat = logits.reshape(-1, logits.shape[-1])
-                    grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
-                    scaled = coef * grad_loss
-                    if inv != 1.0:
-                        scaled = scaled * canonical.fp32(inv, scaled)
-                    write_grad(grad, flat, rows, ids - v_lo, lse, scaled, lp.tile_width, inv)
-                    return grad.view(logits.shape)
-
-            loss = _Loss.apply(policy_local_logits, loss, backward)
+            loss = _Loss.apply(policy_local_logits, loss,
+                               lambda logits, grad_loss: k.grad(c, state, logp, logp_ref, w, logits, grad_loss))
+        s = contract.sharding
         return GRPOLossResult(
-            loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy,
-            per_sequence_kl=per_seq_kl, advantages=advantages_all, per_sequence_active_tokens=counts,
-            clip_fraction=clip_fraction, mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
-            provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID,
-                                  kernels="triton" if triton_runs else "torch",
-                                  fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
+            loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=sums[0], per_sequence_kl=sums[1],
+            advantages=advantages_all, per_sequence_active_tokens=ints[0], clip_fraction=clip_fraction,
+            mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
+            provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID, kernels=k.name,
+                                  fingerprint=contract.fingerprint(), tile_width=contract.logprob_contract.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
                                   determinism_scope=contract.determinism_scope.value))
 
+
+@dataclass
+class _Call:
+    """One call's inputs as given (what the kernel sets read and what a deferred check re-reads), its bool mask and
+    the options the kernels take."""
+
+    contract: GRPOLossContract
+    mask: torch.Tensor
+    policy: torch.Tensor
+    ref: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    action_ids: torch.Tensor
+    old_logps: torch.Tensor
+    rewards: torch.Tensor | None
+    advantages: torch.Tensor | None
+    completion_mask: torch.Tensor
+    tp_group: Any
+    dp_group: Any
+    check_values: str
+
+    def __post_init__(self) -> None:
+        self.old = self.old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
+        self.inv = inverse_temperature(self.contract.temperature)
+        self.clip = (1.0 - self.contract.clip_eps, 1.0 + self.contract.clip_eps_high)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return gather_sequences(local, self.contract, self.dp_group)
+
+
+class _TorchKernels:
+    """The reference kernels, torch ops on any device. The preflight reads the values (a device sync); a non-finite
+    log-prob, derived advantage or loss raises in the call, on every rank (every rank holds what it is read from)."""
+
+    name = "torch"
+
+    def __init__(self, token_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.token_sum = token_sum  # each sequence's token sum (the harness plants a drift here)
+
     @staticmethod
-    def _defer(flag, flags, loss, check_values, contract, policy, ref, ref_logps, action_ids, old_logps, rewards, advantages,
-               completion_mask, logp, logp_ref, derived, groups) -> None:
-        """Hands `flag` (0-d, the largest of the gathered per-sequence `flags`, or 1 where the `loss` is not finite) to
-        `pending` with this rank's inputs; the precise error comes from the rank that holds the bad value, the others
-        name the sequences. `derived`:
-        the whole batch's `(advantages, rewards, groups)` when the advantages come from the rewards; `groups`:
-        `(tp_group, dp_group)`, the key of a world call's deferred checks."""
-        s = contract.sharding
+    def group_advantages(rewards: torch.Tensor, contract: GRPOLossContract) -> torch.Tensor:
+        return canonical.group_advantages(rewards, contract.groups, contract.advantage_std)
+
+    @staticmethod
+    def token_advantages(given: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return canonical.used_advantages(given, mask)
+
+    def forward(self, c: _Call, x, ref, given_ref, adv, rewards):
+        """`(logp, logp_ref, per-sequence sums fp32 [3, n] (surrogate, KL, ratio), ints int64 [3, n] (active tokens,
+        non-finite log-probs, clipped tokens), what the gradient needs)`."""
+        n, T = c.mask.shape
+        lp = c.contract.logprob_contract
+        lo_t, hi_t = canonical.clip_bounds(c.contract.clip_eps, c.contract.clip_eps_high, c.old)
+        rows = c.mask.reshape(-1).nonzero().squeeze(1)
+        ids = c.action_ids.reshape(-1)[rows].long()
+
+        def logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            lse, selected = vocab_parallel_lse(logits.reshape(n * T, -1), rows, ids, lp, c.tp_group, c.inv)
+            full = torch.zeros(n * T, dtype=torch.float32, device=x.device)
+            return full.index_put((rows,), selected - lse).view(n, T), lse, ~torch.isfinite(selected - lse)
+
+        logp, lse, bad_rows = logprobs(x)
+        logp_ref = given_ref  # checked finite at active tokens by the preflight
+        if ref is not None:
+            logp_ref, _, bad_ref = logprobs(ref)
+            bad_rows |= bad_ref
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask)
+        bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
+        local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
+        sums = torch.stack([self.token_sum(canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t)),
+                            self.token_sum(kl_tok), local_ratio])
+        ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
+        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t)
+
+    @staticmethod
+    def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
+        """`((loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean), token weights [S], no flag)` of the
+        whole batch's per-sequence vectors."""
+        counts, _, clipped = ints
+        loss, policy_loss, kl = canonical.combine(sums[0], sums[1], counts, contract.beta, contract.normalizer,
+                                                  contract.normalizer_value)
+        metrics = canonical.batch_metrics(sums[2], sums[1], clipped, counts)
+        return (loss, policy_loss, kl, *metrics), canonical.token_weights(counts, contract.normalizer,
+                                                                           contract.normalizer_value), None
+
+    @staticmethod
+    def settle(c: _Call, flag, flags, loss, logp, logp_ref, derived) -> None:
+        """Raises now, on every rank together: every rank holds the gathered `flags` (non-finite log-probs per
+        sequence), `derived` (the whole batch's `(advantages, rewards, groups)`, or None) and the loss."""
+        if bool(flags.any()):
+            check_logprobs_everywhere(logp, logp_ref, c.mask, c.gather)
+        if derived is not None:
+            check_derived_advantages(*derived)
+        check_loss(loss)
+
+    @staticmethod
+    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
+        rows, ids, lse, ratio, adv, lo_t, hi_t = state
+        coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, c.contract.beta)
+        flat = logits.reshape(-1, logits.shape[-1])
+        grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
+        scaled = coef.reshape(-1)[rows] * grad_loss
+        if c.inv != 1.0:
+            scaled = scaled * canonical.fp32(c.inv, scaled)
+        write_grad(grad, flat, rows, ids - c.contract.sharding.vocab_bounds[0], lse, scaled,
+                   c.contract.logprob_contract.tile_width, c.inv)
+        return grad.view(logits.shape)
+
+
+class _TritonKernels:
+    """The fused kernels of `triton/canonical.py` (CUDA, or the interpreter). They flag bad values per sequence,
+    which `pending` reads without a device sync ("deferred") or with one ("sync")."""
+
+    name = "triton"
+
+    @staticmethod
+    def group_advantages(rewards: torch.Tensor, contract: GRPOLossContract) -> torch.Tensor:
+        from ..triton import canonical as kernels
+        return kernels.group_advantages(rewards, contract.groups, contract.advantage_std)
+
+    @staticmethod
+    def token_advantages(given: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return given  # the kernels read what active tokens read
+
+    @staticmethod
+    def forward(c: _Call, x, ref, given_ref, adv, rewards):
+        """As `_TorchKernels.forward`; the flags also cover the inputs' values (`kernels.sequence_sums`), and
+        `rewards` (fp32, this rank's, or None) are checked."""
+        from ..triton import canonical as kernels
+        n, T = c.mask.shape
+        lp = c.contract.logprob_contract
+        sel, stats = kernels.row_stats(x, ref, c.action_ids, c.mask, lp.local_bounds[0], lp.tile_width, c.inv)
+        stats, sel = stats[:1 + (ref is not None)], sel[:1 + (ref is not None)]
+        if len(lp.vocab_shard_bounds) > 1:  # every rank's tiles, in global order
+            ids = c.action_ids.reshape(-1).long()
+            gathered = [gather_tile_stats(st[0], st[1], z, ids, lp, c.tp_group) for st, z in zip(stats, sel)]
+            stats = torch.stack([torch.stack(g[:2]) for g in gathered])
+            sel = torch.stack([g[2] for g in gathered])
+        lse = kernels.merge_lse(stats, c.mask)
+        logp = torch.where(c.mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
+        logp_ref = logp[1] if ref is not None else given_ref
+        sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
+                                           c.contract.vocab_size, *c.clip)
+        return logp[0], logp_ref, sums, ints, (lse[0], adv)
+
+    @staticmethod
+    def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
+        """As `_TorchKernels.finish`, in one kernel, and the flag: the largest of the gathered per-sequence flags,
+        or 1 where the loss is not finite."""
+        from ..triton import canonical as kernels
+        scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
+        return tuple(scalars), w, flag
+
+    @staticmethod
+    def settle(c: _Call, flag, flags, loss, logp, logp_ref, derived) -> None:
+        """Hands `flag` to `pending` with this rank's inputs (`c.check_values`); the precise error comes from the
+        rank that holds the bad value, the others name the sequences; every rank of the world raises at the same
+        call (the world's groups are the key of its deferred checks)."""
+        s, contract = c.contract.sharding, c.contract
         seq_lo, seq_hi = s.sequence_bounds
         kept = [None if t is None else t.detach()
-                for t in (action_ids, old_logps, rewards, completion_mask, advantages, ref_logps)]
-        logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
+                for t in (c.action_ids, c.old_logps, c.rewards, c.completion_mask, c.advantages, c.ref_logps)]
+        logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (c.policy, c.ref)]  # not kept alive
 
         def recheck() -> None:
             mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=contract.beta,
@@ -302,33 +387,19 @@ class DistributedGRPOLossOp:
             if s.tp_world_size * s.dp_world_size == 1:  # no other rank: `pending` says the inputs changed since
                 return
             seqs = flags.nonzero().flatten()[:8].tolist()
-            raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage "
-                                    f"or old log-prob, or a non-finite log-prob) on another rank, which names it")
+            raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage, "
+                                    f"old or reference log-prob, or a non-finite log-prob) on another rank, which "
+                                    f"names it")
 
-        if check_values == "sync":
+        if c.check_values == "sync":
             pending.raise_now(flag, recheck)
         else:
             pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)",
-                          group=groups if s.tp_world_size * s.dp_world_size > 1 else None)
+                          group=(c.tp_group, c.dp_group) if s.tp_world_size * s.dp_world_size > 1 else None)
 
     @staticmethod
-    def _triton_forward(x, ref, given_ref, action_ids, old, completion_mask, mask, adv, rewards, vocab, lp, tp_group, clip_lo,
-                        clip_hi, inv):
-        """The Triton kernels' forward: `(logp, logp_ref, lse, per-sequence sums [3, n], ints [3, n])`
-        (`kernels.sequence_sums`); `given_ref`: the reference's log-probs as given (fp32, 0.0 on masked tokens), in
-        place of `ref`."""
+    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
         from ..triton import canonical as kernels
-        n, T = mask.shape
-        sel, stats = kernels.row_stats(x, ref, action_ids, mask, lp.local_bounds[0], lp.tile_width, inv)
-        stats, sel = stats[:1 + (ref is not None)], sel[:1 + (ref is not None)]
-        if len(lp.vocab_shard_bounds) > 1:  # every rank's tiles, in global order
-            ids = action_ids.reshape(-1).long()
-            gathered = [gather_tile_stats(st[0], st[1], z, ids, lp, tp_group) for st, z in zip(stats, sel)]
-            stats = torch.stack([torch.stack(g[:2]) for g in gathered])
-            sel = torch.stack([g[2] for g in gathered])
-        lse = kernels.merge_lse(stats, mask)
-        logp = torch.where(mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
-        logp_ref = logp[1] if ref is not None else given_ref
-        sums, ints = kernels.sequence_sums(logp[0], logp_ref, old, completion_mask, action_ids, adv, rewards, vocab,
-                                           clip_lo, clip_hi)
-        return logp[0], logp_ref, lse[0], sums, ints
+        lse, adv = state
+        return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
+                            c.contract.sharding.vocab_bounds[0], *c.clip, c.contract.beta, c.inv)

@@ -156,8 +156,8 @@ def _compare(mine: dict, theirs: dict, axis: str) -> list[str]:
         if x != y:
             differ(f"{name} ([dtype, device, shape] or type; '*': the dim the {axis.upper()} axis shards)", x, y)
     if axis == "tp" and lo["replicated"] != hi["replicated"]:
-        out.append(f"{who}: preflight: they hold different completion_mask / action_ids / old_logps / rewards; "
-                   f"every rank of a TP group must pass the same ones")
+        out.append(f"{who}: preflight: they hold different completion_mask / action_ids / old_logps / rewards / "
+                   f"advantages / ref_logps (at active tokens); every rank of a TP group must pass the same ones")
     return out
 
 

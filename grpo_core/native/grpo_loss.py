@@ -6,8 +6,8 @@ agrees with the deterministic path to fp32 rounding, not to the bit. A temperatu
 `fp32(1 / temperature)` (as the deterministic path does) before the log-softmax; at 1.0 nothing is multiplied.
 
 Only `policy_logits` receives a gradient: `ref_logits` (or `ref_logps`), `old_logps`, `rewards` and given
-`advantages` are detached, whatever their `requires_grad`, as on every backend. A non-finite selected log-probability at an
-active token raises (`checks.check_logprobs`), as on every backend.
+`advantages` are detached, whatever their `requires_grad`, as on every backend. A non-finite selected
+log-probability at an active token raises (`checks.check_logprobs`), as on every backend.
 """
 
 from __future__ import annotations

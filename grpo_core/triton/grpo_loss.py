@@ -242,8 +242,8 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
     def sequences(out, sums):
         launch(_sequence_kernel)[(B,)](
             out, old, source, source if given else bounds, source if given else group_of, mask, ids, adv, seq, counts,
-            flags, B, T, V, clip_low, clip_high, STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None, SUMS=sums,
-            CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
+            flags, B, T, V, clip_low, clip_high, STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None,
+            SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
             BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
                                      DENOM=denom, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
