@@ -42,7 +42,8 @@ def check_tensor(name: str, value: Any, *, optional: bool = False) -> None:
     if value.layout != torch.strided:
         raise LossContractError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}; convert it "
                                 f"with .to_dense()")
-    if value.is_neg() or value.is_conj():  # the kernels read the storage, not the lazy view over it
+    # The kernels read the storage, not a lazy view over it (inside a compiled graph dynamo cannot trace the query)
+    if not torch.compiler.is_compiling() and (value.is_neg() or value.is_conj()):
         raise LossContractError(f"{name}: expected a tensor without a lazy negation or conjugation bit, got one; "
                                 f"materialize it with .resolve_neg() / .resolve_conj()")
 
