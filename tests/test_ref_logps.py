@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import HAS_CUDA, make_inputs
+from conftest import HAS_CUDA, assert_bitwise_equal, make_inputs
 from grpo_core import GRPOLossContract, LossContractError, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 from grpo_core.distributed.vocab_parallel_logprob import VocabParallelLogprobOp
@@ -20,10 +20,6 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 native = kernel_registry.get_op("grpo_loss", backend="native")
 fast = kernel_registry.get_op("grpo_loss", backend="triton")
 OPTS = dict(beta=0.04, samples_per_prompt=2, temperature=0.7, clip_eps_high=0.28)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().float().contiguous().view(torch.int32)
 
 
 def inputs(dtype=torch.bfloat16):
@@ -61,7 +57,7 @@ def deterministic(kernels, inp, ref):
 
 def assert_same_bits(got, want):
     for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(bits(a), bits(b)), f"output {i}: {a} vs {b}"
+        assert_bitwise_equal(a, b, f"output {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
