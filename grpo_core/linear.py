@@ -300,10 +300,7 @@ def _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_b
                                 f"reference log-probs [B, T] or the reference hidden states [B, T, H], or set beta=0")
     if ref_hidden is None and (ref_weight is not None or ref_bias is not None):
         raise LossContractError("ref_weight / ref_bias: only used with ref_hidden, which is None")
-    if ref_logps is not None:
-        if ref_logps.shape != (n, T) or not ref_logps.is_floating_point():
-            raise LossContractError(f"ref_logps: expected a floating tensor [B, T] = {[n, T]}, got "
-                                    f"{ref_logps.dtype} {list(ref_logps.shape)}")
+    if ref_logps is not None:  # its shape, dtype and values: `check_inputs`'s, the logits ops' words
         pairs.append(("ref_logps", ref_logps, hidden, "hidden"))
     if ref_hidden is not None:
         if ref_hidden.shape != hidden.shape:
@@ -378,17 +375,10 @@ class LinearGRPOLossOp:
             logits = stand_in((seq_hi - seq_lo, T, v_hi - v_lo), hidden.dtype, hidden.device)
             old = old_logps if old_logps is not None else torch.zeros(getattr(action_ids, "shape", ()),
                                                                       device=hidden.device)
-            mask = check_inputs(logits, logits if contract.beta != 0.0 else None, action_ids, old, rewards,
+            return check_inputs(logits, logits if ref_hidden is not None else None, action_ids, old, rewards,
                                 completion_mask, beta=contract.beta, vocab_size=contract.vocab_size,
                                 num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=advantages,
-                                advantages_input=contract.advantages_input)
-            if ref_logps is not None:
-                bad = mask & ~torch.isfinite(ref_logps.float())
-                if bool(bad.any()):
-                    where = [tuple(p) for p in torch.nonzero(bad)[:8].tolist()]
-                    raise LossContractError(f"ref_logps: expected finite values at active tokens, got non-finite at "
-                                            f"(b, t) {where}")
-            return mask
+                                advantages_input=contract.advantages_input, ref_logps=ref_logps)
 
         def replicated() -> str:  # what TP peers must share (the hidden states are not hashed: too large)
             if contract.sharding.tp_world_size == 1:
@@ -467,10 +457,14 @@ class LinearGRPOLossOp:
         per_seq_policy, per_seq_kl, per_seq_ratio = sums
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                   contract.normalizer, contract.normalizer_value)
-        if bool(flags.any() | ~torch.isfinite(loss)):  # one sync, once all is queued; every rank holds both
+        derived = contract.advantages_input is AdvantagesInput.REWARDS
+        bad = flags.any() | ~torch.isfinite(loss)
+        if derived:  # a group's NaN advantages reach no loss when the group has no active token
+            bad |= ~torch.isfinite(advantages_all).all()
+        if bool(bad):  # one sync, once all is queued; every rank holds what it reads
             if bool(flags.any()):
                 check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
-            if contract.advantages_input is AdvantagesInput.REWARDS:
+            if derived:
                 check_derived_advantages(advantages_all, rewards_all, contract.groups)
             check_loss(loss)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts)

@@ -270,7 +270,11 @@ def test_every_layout_gives_the_same_bits(kernels):
     (dict(action_ids=torch.full((4, 5), 160)), r"action_ids: expected ids in \[0, 160\) at active tokens"),
     (dict(old_logps=torch.full((4, 5), float("nan"))), r"old_logps: expected finite values at active tokens"),
     (dict(ref_logps=torch.full((4, 5), float("inf")), ref_hidden=None),
-     r"ref_logps: expected finite values at active tokens"),
+     r"ref_logps: expected finite values at active tokens, got non-finite at \(b, t\) .* \(checked in float32\)"),
+    (dict(ref_logps=torch.zeros(4, 6), ref_hidden=None),
+     r"ref_logps: expected shape \[B, T\] = \[4, 5\], got \[4, 6\]"),
+    (dict(ref_logps=torch.zeros(4, 5, dtype=torch.int64), ref_hidden=None),
+     r"ref_logps: expected a floating dtype, got torch.int64"),
     (dict(kernels="cuda"), r"kernels: expected 'auto', 'triton' or 'torch', got 'cuda'"),
 ])
 def test_bad_inputs_name_the_argument(change, match):
@@ -290,15 +294,19 @@ def test_bad_inputs_name_the_argument(change, match):
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("case, match", [
     ("rewards", r"rewards: the advantages of sequences \[0, 1\] are not finite: the sum or the variance"),
+    ("masked group", r"rewards: the advantages of sequences \[0, 1\] are not finite: the sum or the variance"),
     ("advantages", r"loss: expected a finite float32 loss from finite inputs, got a non-finite one"),
     ("hidden", r"policy_logits: expected finite log-probabilities at active tokens, got NaN at \(b, t\) \[\(1, 0\)\]"),
 ])
 def test_what_is_found_after_the_chunks_raises_the_logits_ops_words(kernels, case, match):
-    """Checked once, after the chunks are queued (one device sync): a group's reward variance that overflows fp32, a
-    loss that overflows it (given advantages of 3e38) and a non-finite log-prob each raise the logits ops' error."""
+    """Checked once, after the chunks are queued (one device sync): a group's reward variance that overflows fp32
+    (with active tokens or none), a loss that overflows it (given advantages of 3e38) and a non-finite log-prob each
+    raise the logits ops' error."""
     inp, kw = make(), dict(samples_per_prompt=2)
-    if case == "rewards":
+    if case in ("rewards", "masked group"):
         inp["rewards"] = torch.tensor([3e38, -3e38, 0.5, -1.0], device=DEV)
+        if case == "masked group":  # its NaN advantages reach no loss; the result would report them
+            inp["completion_mask"][:2] = False
     elif case == "advantages":
         inp["rewards"], kw = None, dict(advantages=torch.full((4,), 3e38, device=DEV), samples_per_prompt=None)
     else:

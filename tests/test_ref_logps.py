@@ -6,6 +6,9 @@ Bad `ref_logps` raise the same error on every backend."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -45,13 +48,14 @@ def contract_of(inp) -> GRPOLossContract:
                             **{**OPTS, "temperature": 1.0})
 
 
-def deterministic(kernels, inp, ref):
+def deterministic(kernels, inp, ref, backward=True):
     x = inp["policy_logits"].detach().clone().requires_grad_(True)
     res = DistributedGRPOLossOp(kernels=kernels).apply(
         x, inp["action_ids"], inp["old_logps"], inp["rewards"], contract=contract_of(inp),
         completion_mask=inp["completion_mask"], ref_local_logits=ref.get("ref_logits"), ref_logps=ref.get("ref_logps"),
         check_values="sync")
-    res.loss.backward()
+    if backward:
+        res.loss.backward()
     return [res.loss, res.policy_loss, res.kl, res.per_sequence_policy, res.per_sequence_kl, x.grad]
 
 
@@ -88,6 +92,20 @@ def test_the_deterministic_path_takes_the_canonical_reference_logprobs_to_the_bi
                                       mask=inp["completion_mask"].reshape(-1))
     assert_same_bits(deterministic(kernels, inp, dict(ref_logps=own.view(B, T))),
                      deterministic(kernels, inp, dict(ref_logits=inp["ref_logits"])))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_deterministic_loss_keeps_no_reference_logits_alive(kernels):
+    """Until its backward the loss holds what the gradient needs, not the reference logits: a caller can free them
+    right after the call (a second logits-sized tensor; a reviewer found them pinned)."""
+    inp = inputs()
+    ref = inp.pop("ref_logits").clone()
+    alive = weakref.ref(ref)
+    got = deterministic(kernels, inp | {"ref_logits": ref}, dict(ref_logits=ref), backward=False)
+    del ref, inp
+    gc.collect()
+    assert alive() is None
+    got[0].backward()
 
 
 def every_backend(inp, ref) -> dict[str, str]:

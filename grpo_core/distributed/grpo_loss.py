@@ -175,8 +175,9 @@ class DistributedGRPOLossOp:
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
-        c = _Call(contract, mask, policy_local_logits, ref_local_logits, ref_logps, action_ids, old_logps, rewards,
-                  advantages, completion_mask, tp_group, dp_group, check_values)
+        c = _Call(contract, mask, action_ids, completion_mask, old_logps.detach().to(torch.float32),
+                  inverse_temperature(contract.temperature), (1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high),
+                  tp_group, dp_group, check_values)
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         rewards_local = rewards_all = None
         if contract.advantages_input is AdvantagesInput.REWARDS:
@@ -196,8 +197,8 @@ class DistributedGRPOLossOp:
         ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
         scalars, w, flag = k.finish(sums, ints, contract)
         loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
-        k.settle(c, flag, ints[1], loss, logp, logp_ref,
-                 None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
+        k.settle(c, (policy_local_logits, ref_local_logits, ref_logps, old_logps, rewards, advantages), flag, ints[1],
+                 loss, logp, logp_ref, None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
         if policy_local_logits.requires_grad and torch.is_grad_enabled():
             w = w[seq_lo:seq_hi]
             loss = _Loss.apply(policy_local_logits, loss,
@@ -213,29 +214,21 @@ class DistributedGRPOLossOp:
                                   determinism_scope=contract.determinism_scope.value))
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Call:
-    """One call's inputs as given (what the kernel sets read and what a deferred check re-reads), its bool mask and
-    the options the kernels take."""
+    """What the kernel sets read of one call, and the options they take. The inputs that only a deferred check
+    re-reads go to `settle` alone: the gradient's closure keeps this, and must not keep the logits alive."""
 
     contract: GRPOLossContract
-    mask: torch.Tensor
-    policy: torch.Tensor
-    ref: torch.Tensor | None
-    ref_logps: torch.Tensor | None
+    mask: torch.Tensor  # bool [n_local, T]
     action_ids: torch.Tensor
-    old_logps: torch.Tensor
-    rewards: torch.Tensor | None
-    advantages: torch.Tensor | None
-    completion_mask: torch.Tensor
+    completion_mask: torch.Tensor  # as given (the Triton kernels check its values)
+    old: torch.Tensor  # fp32, detached: the gradient flows into the policy logits only
+    inv: float  # fp32(1 / temperature)
+    clip: tuple[float, float]  # (1 - clip_eps, 1 + clip_eps_high)
     tp_group: Any
     dp_group: Any
     check_values: str
-
-    def __post_init__(self) -> None:
-        self.old = self.old_logps.detach().to(torch.float32)  # the gradient flows into the policy logits only
-        self.inv = inverse_temperature(self.contract.temperature)
-        self.clip = (1.0 - self.contract.clip_eps, 1.0 + self.contract.clip_eps_high)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
@@ -260,7 +253,7 @@ class _TorchKernels:
 
     def forward(self, c: _Call, x, ref, given_ref, adv, rewards):
         """`(logp, logp_ref, per-sequence sums fp32 [3, n] (surrogate, KL, ratio), ints int64 [3, n] (active tokens,
-        non-finite log-probs, clipped tokens), what the gradient needs)`."""
+        non-finite log-probs, clipped tokens), what the gradient needs)`. (`rewards`: the Triton kernels' use.)"""
         n, T = c.mask.shape
         lp = c.contract.logprob_contract
         lo_t, hi_t = canonical.clip_bounds(c.contract.clip_eps, c.contract.clip_eps_high, c.old)
@@ -297,9 +290,10 @@ class _TorchKernels:
                                                                            contract.normalizer_value), None
 
     @staticmethod
-    def settle(c: _Call, flag, flags, loss, logp, logp_ref, derived) -> None:
+    def settle(c: _Call, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
         """Raises now, on every rank together: every rank holds the gathered `flags` (non-finite log-probs per
-        sequence), `derived` (the whole batch's `(advantages, rewards, groups)`, or None) and the loss."""
+        sequence), `derived` (the whole batch's `(advantages, rewards, groups)`, or None) and the loss. (`inputs`
+        and `flag`, None here: the Triton kernels' use.)"""
         if bool(flags.any()):
             check_logprobs_everywhere(logp, logp_ref, c.mask, c.gather)
         if derived is not None:
@@ -365,15 +359,17 @@ class _TritonKernels:
         return tuple(scalars), w, flag
 
     @staticmethod
-    def settle(c: _Call, flag, flags, loss, logp, logp_ref, derived) -> None:
-        """Hands `flag` to `pending` with this rank's inputs (`c.check_values`); the precise error comes from the
-        rank that holds the bad value, the others name the sequences; every rank of the world raises at the same
-        call (the world's groups are the key of its deferred checks)."""
+    def settle(c: _Call, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
+        """Hands `flag` to `pending` with this rank's `inputs` (policy and reference logits, `ref_logps`,
+        `old_logps`, rewards, advantages, as given) by `c.check_values`; the precise error comes from the rank that
+        holds the bad value, the others name the sequences; every rank of the world raises at the same call (the
+        world's groups are the key of its deferred checks)."""
         s, contract = c.contract.sharding, c.contract
         seq_lo, seq_hi = s.sequence_bounds
+        policy, ref, ref_logps, old_logps, rewards, advantages = inputs
         kept = [None if t is None else t.detach()
-                for t in (c.action_ids, c.old_logps, c.rewards, c.completion_mask, c.advantages, c.ref_logps)]
-        logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (c.policy, c.ref)]  # not kept alive
+                for t in (c.action_ids, old_logps, rewards, c.completion_mask, advantages, ref_logps)]
+        logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
 
         def recheck() -> None:
             mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=contract.beta,
