@@ -280,21 +280,24 @@ def combine(per_seq_policy: torch.Tensor, per_seq_kl: torch.Tensor, counts: torc
 
 
 def given_logprobs(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Log-probs given by the caller (e.g. the reference model's, `ref_logps`) as the kernels read them: fp32,
-    detached, 0.0 on masked tokens (which may hold anything)."""
+    """A per-token input given by the caller (the reference model's log-probs `ref_logps`, or the importance
+    sampling ratio `[S, T]` or `[S, 1]`) as the kernels read it: fp32 `[S, T]`, detached, 0.0 on masked tokens
+    (which may hold anything)."""
     return torch.where(mask, logps.detach().to(F32), 0.0)
 
 
 def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,
-                 exp=exp) -> tuple[torch.Tensor, torch.Tensor]:
+                 exp=exp, bias_kl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`ratio = exp(masked(logp - old))` (mask before exp: 1.0 on masked tokens) and `kl = exp(d) - d - 1`
-    with `d = masked(logp_ref - logp)` (exactly 0.0 on masked tokens; all zeros without a reference)."""
+    with `d = masked(logp_ref - logp)` (exactly 0.0 on masked tokens; all zeros without a reference); `bias_kl`
+    (TRL's `use_bias_correction_kl`): `kl * ratio`."""
     zero = torch.zeros_like(logp)
     ratio = exp(torch.where(mask, logp - old_logps.to(F32), zero))
     if logp_ref is None:
         return ratio, zero
     d = torch.where(mask, logp_ref - logp, zero)
-    return ratio, exp(d) - d - 1.0
+    kl = exp(d) - d - 1.0
+    return ratio, kl * ratio if bias_kl else kl
 
 
 def clip_bounds(clip_eps: float, clip_eps_high: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,26 +317,47 @@ def used_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
-                      hi: torch.Tensor) -> torch.Tensor:
+                      hi: torch.Tensor, delta: float | None = None, is_ratio: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Per-token `-min(ratio * A, clamp(ratio, lo, hi) * A)`, exactly 0.0 on masked tokens; `A` is `[S]` or
-    `[S, T]`."""
+    `[S, T]`. `delta` (TRL's two-sided clipping): `min(ratio, fp32(delta)) * A` in the first branch; `is_ratio`
+    (fp32 `[S, T]`, `given_logprobs`): the rollout's importance weights, multiplied into the term."""
     adv = _per_token(advantages)
-    policy = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=fp32(delta, ratio))
+    policy = -torch.minimum(unclipped * adv, torch.clamp(ratio, lo, hi) * adv)
+    if is_ratio is not None:
+        policy = policy * is_ratio
     return torch.where(mask, policy, 0.0)
 
 
 def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None, advantages: torch.Tensor,
-               weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, beta: float
+               weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, beta: float,
+               delta: float | None = None, is_ratio: torch.Tensor | None = None, bias_kl: bool = False
                ) -> torch.Tensor:
     """`d loss / d logp` per token `[S, T]` (before `grad_output`): `(dpolicy + beta * dkl) * weight`, where the
     surrogate's derivative is `-ratio * A` where the unclipped branch is the minimum (ties included) and 0 where
-    the clipped one is, and the k3 KL's is `1 - exp(logp_ref - logp)`; 0.0 on masked tokens. `A`: `[S]` or
-    `[S, T]`. The caller multiplies by `grad_output`, then by `fp32(1 / temperature)` when it is not 1."""
+    the clipped one is; with `delta`, `-ratio * A` where the minimum's branch passes the ratio through its clamp
+    (`ratio <= fp32(delta)`, or `lo <= ratio <= hi`), else 0; times `is_ratio` when given. The k3 KL's is
+    `1 - exp(d)`, `d = logp_ref - logp`, or with `bias_kl` (the KL times the ratio) `((1 - exp(d)) + kl) * ratio`.
+    0.0 on masked tokens. `A`: `[S]` or `[S, T]`. The caller multiplies by `grad_output`, then by `fp32(1 / temperature)` when it is not 1."""
     adv = _per_token(advantages)
     unclipped = ratio * adv
-    coef = torch.where(unclipped <= torch.clamp(ratio, lo, hi) * adv, -unclipped, 0.0)
+    clipped = torch.clamp(ratio, lo, hi) * adv
+    if delta is None:
+        taken = unclipped <= clipped
+    else:  # the minimum's branch, and whether its clamp passes the ratio (bounds included)
+        d = fp32(delta, ratio)
+        taken = torch.where(torch.minimum(ratio, d) * adv <= clipped, ratio <= d, (ratio >= lo) & (ratio <= hi))
+    coef = torch.where(taken, -unclipped, 0.0)
+    if is_ratio is not None:
+        coef = coef * is_ratio
     if logp_ref is not None:
-        coef = coef + fp32(beta, coef) * (1.0 - exp(torch.where(mask, logp_ref - logp, 0.0)))
+        d = torch.where(mask, logp_ref - logp, 0.0)
+        e = exp(d)
+        dkl = 1.0 - e
+        if bias_kl:
+            dkl = (dkl + ((e - d) - 1.0)) * ratio
+        coef = coef + fp32(beta, coef) * dkl
     return torch.where(mask, coef * weights.unsqueeze(-1), 0.0)
 
 

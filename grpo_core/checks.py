@@ -91,7 +91,7 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
                  completion_mask: Any, *, beta: float, vocab_size: int | None = None,
                  num_rewards: int | None = None, values: bool = True, rewards_required: bool = False,
                  advantages: Any = None, advantages_input: AdvantagesInput | None = None,
-                 ref_logps: Any = None) -> torch.Tensor:
+                 ref_logps: Any = None, importance_sampling_ratio: Any = None) -> torch.Tensor:
     """Checks the loss inputs against each other and returns the completion mask as bool `[B, T]`.
 
     Types first: every argument must be a tensor with data (`ref_logits` may be None, and so may `ref_logps`, the
@@ -102,12 +102,14 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     cover. `advantages_input` (the contract path): the input the contract declares. Values: rewards must be
     finite once cast to float32 (the loss's precision), ids in range and `old_logps` and advantages finite (in
     float32) at active tokens (a sequence's advantage where it has one), and so must given `ref_logps`; masked
-    positions may hold anything
-    (padding ids, NaN). `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller
-    then owes `check_inputs(..., values=True)` when its kernels flag bad values.
+    positions may hold anything (padding ids, NaN). `importance_sampling_ratio` (optional): the rollout engine's
+    importance weights, `[B, T]` or `[B, 1]` (one per sequence), finite and >= 0 where an active token reads them.
+    `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes `check_inputs(..., values=True)` when its kernels flag bad values.
     """
     for name, t, optional in (("policy_logits", policy_logits, False), ("ref_logits", ref_logits, True),
-                              ("ref_logps", ref_logps, True), ("action_ids", action_ids, False),
+                              ("ref_logps", ref_logps, True),
+                              ("importance_sampling_ratio", importance_sampling_ratio, True),
+                              ("action_ids", action_ids, False),
                               ("old_logps", old_logps, False),
                               ("rewards", rewards, None), ("advantages", advantages, None),
                               ("completion_mask", completion_mask, False)):
@@ -135,6 +137,13 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         _shape("ref_logps", ref_logps, (B, T), "[B, T]")
         if not ref_logps.is_floating_point():
             raise LossContractError(f"ref_logps: expected a floating dtype, got {ref_logps.dtype}")
+    w = importance_sampling_ratio
+    if w is not None:
+        if tuple(w.shape) not in ((B, T), (B, 1)):
+            raise LossContractError(f"importance_sampling_ratio: expected shape [B, T] = [{B}, {T}] (one per token) or "
+                                    f"[B, 1] = [{B}, 1] (one per sequence), got {list(w.shape)}")
+        if not w.is_floating_point():
+            raise LossContractError(f"importance_sampling_ratio: expected a floating dtype, got {w.dtype}")
     if completion_mask.dim() != 2:
         raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {list(completion_mask.shape)}")
     _shape("completion_mask", completion_mask, (B, T), "[B, T]")
@@ -161,7 +170,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         raise LossContractError(f"action_ids: expected dtype int64 or int32, got {action_ids.dtype}")
     if not old_logps.is_floating_point():
         raise LossContractError(f"old_logps: expected a floating dtype, got {old_logps.dtype}")
-    for name, t in (("ref_logits", ref_logits), ("ref_logps", ref_logps), ("action_ids", action_ids),
+    for name, t in (("ref_logits", ref_logits), ("ref_logps", ref_logps), ("importance_sampling_ratio", w),
+                    ("action_ids", action_ids),
                     ("old_logps", old_logps), ("rewards", rewards), ("advantages", advantages),
                     ("completion_mask", completion_mask)):
         if t is not None and t.device != policy_logits.device:
@@ -197,6 +207,12 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         if bool(bad_ref.any()):
             raise LossContractError(f"ref_logps: expected finite values at active tokens, got non-finite at (b, t) "
                                     f"{_tokens(bad_ref)} (checked in float32)")
+    if w is not None:
+        w32 = w.to(torch.float32)
+        bad_w = mask & ~((w32 >= 0.0) & (w32 < math.inf))  # NaN fails both
+        if bool(bad_w.any()):
+            raise LossContractError(f"importance_sampling_ratio: expected finite values >= 0 at active tokens, got "
+                                    f"others at (b, t) {_tokens(bad_w)} (checked in float32)")
     if advantages is not None:
         finite = torch.isfinite(advantages.to(torch.float32))  # after the cast, like rewards
         if advantages.dim() == 2:
@@ -276,25 +292,29 @@ class LossOptions:
     constant: float | None  # what `canonical.normalize` takes (`normalizer_value`)
     temperature: float = 1.0
     advantages_input: AdvantagesInput = AdvantagesInput.REWARDS
+    delta: float | None = None  # None: no upper clamp of the unclipped ratio
+    bias_kl: bool = False  # the KL term times the ratio (TRL's use_bias_correction_kl)
 
     @classmethod
     def of(cls, contract: GRPOLossContract, mask: torch.Tensor) -> LossOptions:
         return cls(mask, contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
-                   contract.advantages_input)
+                   contract.advantages_input, contract.delta, contract.use_bias_correction_kl)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                  samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
                  values: bool = True, *, temperature: Any = 1.0, advantages: Any = None, loss_type: Any = None,
-                 max_completion_length: Any = None, ref_logps: Any = None) -> LossOptions:
+                 max_completion_length: Any = None, ref_logps: Any = None, delta: Any = None,
+                 use_bias_correction_kl: Any = False, importance_sampling_ratio: Any = None) -> LossOptions:
     """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                       normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
                       loss_type=loss_type, max_completion_length=max_completion_length,
-                      rewards_input=advantages is None)
+                      rewards_input=advantages is None, delta=delta, use_bias_correction_kl=use_bias_correction_kl)
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
-                        values=values, rewards_required=True, advantages=advantages, ref_logps=ref_logps)
+                        values=values, rewards_required=True, advantages=advantages, ref_logps=ref_logps,
+                        importance_sampling_ratio=importance_sampling_ratio)
     B, T = mask.shape
     if B == 0:
         raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")
@@ -307,4 +327,4 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
     return LossOptions(mask, o["clip_eps"], o["clip_eps_high"], o["beta"], groups, o["advantage_std"],
                        o["normalizer"], normalizer_value(o["normalizer"], o["normalizer_constant"],
                                                          o["max_completion_length"], T),
-                       o["temperature"], advantages_kind(advantages))
+                       o["temperature"], advantages_kind(advantages), o["delta"], o["use_bias_correction_kl"])

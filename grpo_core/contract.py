@@ -9,8 +9,9 @@ needs them; the checks of the tensors, and `loss_options`, which turns a plain c
 options, are in `checks.py`.
 
 Options added for users of other GRPO implementations (`temperature`, given `advantages`, `loss_type`,
-`advantage_std="unbiased_eps"`) enter the fingerprint only when they differ from their defaults, so that the
-fingerprint of a contract that does not use them, and every golden recorded with one, stays what it was.
+`advantage_std="unbiased_eps"`, `delta`, `use_bias_correction_kl`) enter the fingerprint only when they differ from
+their defaults, so that the fingerprint of a contract that does not use them, and every golden recorded with one,
+stays what it was.
 Every backend computes all of them (the fast Triton op and the distributed op in their kernels).
 """
 
@@ -306,6 +307,8 @@ class GRPOLossContract:
     advantages_input: AdvantagesInput = AdvantagesInput.REWARDS
     loss_type: str | None = None  # TRL / Liger name of the normalizer: 'grpo', 'bnpo', 'dr_grpo' or 'dapo'
     max_completion_length: int | None = None  # dr_grpo's length (None: padded_seq_len)
+    delta: float | None = None  # TRL's two-sided clipping: the unclipped ratio is clamped above at fp32(delta)
+    use_bias_correction_kl: bool = False  # TRL's: each token's k3 KL term is multiplied by its ratio
     sharding: ShardingSpec | None = None  # None: a single process
     determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
     vocab_tile: int = DEFAULT_VOCAB_TILE
@@ -321,7 +324,8 @@ class GRPOLossContract:
                                 normalizer=self.normalizer, normalizer_constant=self.normalizer_constant,
                                 advantage_std=self.advantage_std, temperature=self.temperature,
                                 loss_type=self.loss_type, max_completion_length=self.max_completion_length,
-                                rewards_input=kind is AdvantagesInput.REWARDS)
+                                rewards_input=kind is AdvantagesInput.REWARDS, delta=self.delta,
+                                use_bias_correction_kl=self.use_bias_correction_kl)
         for name, value in options.items():
             _set(self, name, value)
         _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
@@ -399,6 +403,10 @@ class GRPOLossContract:
             extra["advantages_input"] = self.advantages_input.value
         if self.normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
             extra["max_completion_length"] = int(self.normalizer_value)
+        if self.delta is not None:
+            extra["delta"] = self.delta.hex()
+        if self.use_bias_correction_kl:
+            extra["use_bias_correction_kl"] = True
         return {**extra,
             "math_version": MATH_VERSION,
             "num_sequences": self.num_sequences,
@@ -557,17 +565,28 @@ def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> flo
 
 def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: Any, normalizer_constant: Any,
                   advantage_std: Any, temperature: Any = 1.0, loss_type: Any = None, max_completion_length: Any = None,
-                  rewards_input: bool = True) -> dict[str, Any]:
+                  rewards_input: bool = True, delta: Any = None, use_bias_correction_kl: Any = False
+                  ) -> dict[str, Any]:
     """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
     name (`clip_eps_high=None` becomes `clip_eps`; `normalizer` is resolved with `loss_type`; `advantage_std`
-    None becomes population when the op takes rewards, `rewards_input`). Every float must be finite once rounded
-    to float32, the precision every backend computes in; the normalizer constant must be a normal float32."""
+    None becomes population when the op takes rewards, `rewards_input`; `delta` None: no upper clamp). Every float
+    must be finite once rounded to float32, the precision every backend computes in; the normalizer constant and
+    `delta` must be normal float32 values."""
     clip_eps = check_fp32("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
     clip_eps_high = check_fp32("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
     beta = check_fp32("beta", beta, minimum=0.0)
     temperature = check_temperature(temperature)
     normalizer = resolve_normalizer(loss_type, normalizer)
-    return dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
+    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
+        raise LossContractError(f"delta: expected a float or None, got {type(delta).__name__} {delta!r}")
+    if delta is not None and not FP32_TINY <= to_fp32(float(delta)) <= FP32_MAX:  # NaN fails too
+        raise LossContractError(f"delta: expected a float > 0 that is a finite normal float32 (about 1.18e-38 to "
+                                f"3.40e+38; the unclipped ratio is clamped at it), got {delta!r}")
+    if not isinstance(use_bias_correction_kl, bool):
+        raise LossContractError(f"use_bias_correction_kl: expected a bool, got {type(use_bias_correction_kl).__name__}"
+                                f" {use_bias_correction_kl!r}")
+    return dict(delta=None if delta is None else float(delta), use_bias_correction_kl=use_bias_correction_kl,
+                clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),
                 max_completion_length=check_max_completion_length(normalizer, max_completion_length),
                 advantage_std=check_advantage_std(advantage_std, rewards_input), temperature=temperature)

@@ -38,6 +38,7 @@ Two kernel sets compute that:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from typing import Any, Callable
@@ -93,12 +94,13 @@ class TorchKernels:
     def lse(self, z, ids, lp: LogprobContract, tp_group, inv) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_lse(z, torch.arange(z.shape[0], device=z.device), ids, lp, tp_group, inv)
 
-    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, clip_lo, clip_hi, beta, inv, dtype) -> torch.Tensor:
-        lo_t, hi_t = canonical.fp32(clip_lo, z), canonical.fp32(clip_hi, z)
+    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, c: _CoefInputs, inv, dtype) -> torch.Tensor:
+        lo_t, hi_t = canonical.fp32(c.clip_lo, z), canonical.fp32(c.clip_hi, z)
         one = torch.ones_like(logp, dtype=torch.bool).unsqueeze(1)
         ratio, _ = canonical.ratio_and_kl(logp.unsqueeze(1), None, old.unsqueeze(1), one)
         coef = canonical.token_coef(ratio, logp.unsqueeze(1), None if logp_ref is None else logp_ref.unsqueeze(1),
-                                    adv, w, one, lo_t, hi_t, beta)
+                                    adv, w, one, lo_t, hi_t, c.beta, c.delta,
+                                    None if c.is_ratio is None else c.is_ratio.unsqueeze(1), c.bias_kl)
         if inv != 1.0:
             coef = coef * canonical.fp32(inv, coef)
         out = torch.empty(z.shape, dtype=dtype, device=z.device)
@@ -134,7 +136,7 @@ class TritonKernels:
         m, s, sel = gather_tile_stats(stats[0, 0], stats[0, 1], sel[0], ids, lp, tp_group)
         return self.rows.merge_lse(torch.stack([m, s])[None], mask)[0], sel
 
-    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, clip_lo, clip_hi, beta, inv, dtype):
+    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, c: _CoefInputs, inv, dtype):
         """Into a buffer of its own (rows padded to 8 columns for TMA). Not over `z`'s own rows: a row's threads
         write columns whose bytes other threads of the row have not read yet (the H200 showed it: a run-to-run test
         moved 4 bits of dH)."""
@@ -142,8 +144,8 @@ class TritonKernels:
         one = torch.ones(1, dtype=torch.float32, device=z.device)
         V = z.shape[1]
         out = torch.empty((z.shape[0], -(-V // 8) * 8), dtype=dtype, device=z.device)[:, :V]
-        return self.rows.grad(z, ids, mask.unsqueeze(1), logp, logp_ref, old, adv, w, lse, one, lo, clip_lo, clip_hi,
-                              beta, inv, out=out)
+        return self.rows.grad(z, ids, mask.unsqueeze(1), logp, logp_ref, old, adv, w, lse, one, lo, c.clip_lo,
+                              c.clip_hi, c.beta, inv, out=out, delta=c.delta, is_ratio=c.is_ratio, bias_kl=c.bias_kl)
 
     def dhidden(self, dz, w, acc, width):  # TP shards start on tiles: a K step that divides the tile width
         return self.mm(dz, w, acc, accumulate=True, block_k=min(width, 64))
@@ -222,8 +224,8 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
         chunk_ref = None if refs is None else refs[start:stop]
         old = logp[start:stop] if inputs.old is None else inputs.old[start:stop]  # None: on-policy
         adv, w = inputs.adv[start:stop], inputs.w[start:stop]
-        dz = k.dz(z, a, lo, lse, logp[start:stop], chunk_ref, old, adv, w, inputs.clip_lo, inputs.clip_hi,
-                  inputs.beta, inv, weight.dtype)
+        dz = k.dz(z, a, lo, lse, logp[start:stop], chunk_ref, old, adv, w, inputs.chunk(start, stop), inv,
+                  weight.dtype)
         del z
         if dh is not None:
             zero = torch.zeros((stop - start, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
@@ -236,12 +238,24 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
     return logp, logp_ref
 
 
+@dataclasses.dataclass
 class _CoefInputs:
-    """What `dz` needs per active token besides the log-probs: fp32 `[n]` each."""
+    """What `dz` needs per active token besides the log-probs (fp32 `[n]` each) and the options."""
 
-    def __init__(self, old, adv, w, ref, clip_lo, clip_hi, beta):
-        self.old, self.adv, self.w, self.ref = old, adv, w, ref
-        self.clip_lo, self.clip_hi, self.beta = clip_lo, clip_hi, beta
+    old: torch.Tensor | None
+    adv: torch.Tensor
+    w: torch.Tensor
+    ref: torch.Tensor | None
+    is_ratio: torch.Tensor | None
+    clip_lo: float
+    clip_hi: float
+    beta: float
+    delta: float | None
+    bias_kl: bool
+
+    def chunk(self, start: int, stop: int) -> _CoefInputs:
+        """The options, and the importance weights of the chunk's tokens."""
+        return dataclasses.replace(self, is_ratio=None if self.is_ratio is None else self.is_ratio[start:stop])
 
 
 class _Grads(torch.autograd.Function):
@@ -358,8 +372,10 @@ class LinearGRPOLossOp:
               contract: GRPOLossContract, completion_mask: torch.Tensor, bias: torch.Tensor | None = None,
               ref_logps: torch.Tensor | None = None, ref_hidden: torch.Tensor | None = None,
               ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
-              advantages: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None) -> GRPOLossResult:
+              advantages: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
+              importance_sampling_ratio: torch.Tensor | None = None) -> GRPOLossResult:
         tensors = {"hidden": hidden, "weight": weight, "bias": bias, "action_ids": action_ids,
+                   "importance_sampling_ratio": importance_sampling_ratio,
                    "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask, "ref_logps": ref_logps, "ref_hidden": ref_hidden,
                    "ref_weight": ref_weight, "ref_bias": ref_bias}
@@ -378,7 +394,8 @@ class LinearGRPOLossOp:
             return check_inputs(logits, logits if ref_hidden is not None else None, action_ids, old, rewards,
                                 completion_mask, beta=contract.beta, vocab_size=contract.vocab_size,
                                 num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=advantages,
-                                advantages_input=contract.advantages_input, ref_logps=ref_logps)
+                                advantages_input=contract.advantages_input, ref_logps=ref_logps,
+                                importance_sampling_ratio=importance_sampling_ratio)
 
         def replicated() -> str:  # what TP peers must share (the hidden states are not hashed: too large)
             if contract.sharding.tp_world_size == 1:
@@ -389,7 +406,9 @@ class LinearGRPOLossOp:
                 given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
             return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
                                      None if old_logps is None else torch.where(active, old_logps, 0), rewards, given,
-                                     None if ref_logps is None else torch.where(active, ref_logps, 0))
+                                     None if ref_logps is None else torch.where(active, ref_logps, 0),
+                                     None if importance_sampling_ratio is None else
+                                     torch.where(active, importance_sampling_ratio, 0))
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         k = chosen[0]
@@ -415,6 +434,8 @@ class LinearGRPOLossOp:
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
+        is_ratio = (None if importance_sampling_ratio is None else
+                    canonical.given_logprobs(importance_sampling_ratio, mask))  # fp32 [n_local, T]
         ref = None
         if ref_hidden is not None:  # without ref_weight the reference shares the policy's head, bias included
             ref_b = ref_bias if ref_bias is not None or ref_weight is not None else bias
@@ -424,7 +445,9 @@ class LinearGRPOLossOp:
         if wants_grad:
             w_tok = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi]
             old_tok = None if old_logps is None else old_logps.detach().reshape(-1)[rows].float()
-            inputs = _CoefInputs(old_tok, adv_tok, w_tok[seq_of], given_ref, clip_lo, clip_hi, contract.beta)
+            inputs = _CoefInputs(old_tok, adv_tok, w_tok[seq_of], given_ref,
+                                 None if is_ratio is None else is_ratio.reshape(-1)[rows], clip_lo, clip_hi,
+                                 contract.beta, contract.delta, contract.use_bias_correction_kl)
 
             def zeros(t: torch.Tensor | None, shape, dtype) -> torch.Tensor | None:
                 return torch.zeros(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
@@ -448,9 +471,10 @@ class LinearGRPOLossOp:
             0, seq_of, bad.long()), contract, dp_group)
 
         lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask)
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
-        sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t)),
+        sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta,
+                                                                        is_ratio)),
                             self._token_sum(kl_tok), local_ratio])
         sums = gather_sequences(sums.T, contract, dp_group).T
         clipped = gather_sequences(local_clipped, contract, dp_group)
@@ -507,7 +531,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                      group_boundaries: Any = None, normalizer: Any = None, normalizer_constant: float | None = None,
                      loss_type: str | None = None, max_completion_length: int | None = None,
                      advantage_std: Any = None, vocab_tile: int = DEFAULT_VOCAB_TILE,
-                     kernels: str = "auto") -> GRPOLossResult:
+                     kernels: str = "auto", delta: float | None = None, use_bias_correction_kl: bool = False,
+                     importance_sampling_ratio: torch.Tensor | None = None) -> GRPOLossResult:
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
     make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
     `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
@@ -521,11 +546,12 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
         beta=beta, samples_per_prompt=samples_per_prompt, group_boundaries=group_boundaries, normalizer=normalizer,
         normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
         advantages_input=kind, loss_type=loss_type, max_completion_length=max_completion_length,
-        vocab_tile=vocab_tile, determinism_scope="topology_invariant")
+        vocab_tile=vocab_tile, determinism_scope="topology_invariant", delta=delta,
+        use_bias_correction_kl=use_bias_correction_kl)
     return LinearGRPOLossOp(kernels).apply(hidden, weight, action_ids, old_logps, rewards, contract=contract,
                                            completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
                                            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
-                                           advantages=advantages)
+                                           advantages=advantages, importance_sampling_ratio=importance_sampling_ratio)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,

@@ -40,6 +40,9 @@ class Scenario:
     reference: str = "model"  # the reference model's input ('model': its logits, or its hidden states for a linear
     #                            scenario) or its log-probs as given ('logps': canonical, of the same input)
     temperature: float = 1.0
+    delta: float | None = None
+    bias_kl: bool = False  # the KL term times the ratio (use_bias_correction_kl)
+    is_ratio: str = ""  # importance sampling weights: "token" [S, T], "sequence" [S, 1], or "" (none)
 
     @property
     def linear(self) -> bool:
@@ -58,7 +61,8 @@ class Scenario:
             num_sequences=self.num_sequences, padded_seq_len=self.seq_len, vocab_size=self.vocab,
             clip_eps=self.clip[0], clip_eps_high=self.clip[1], beta=self.beta, normalizer=self.normalizer,
             normalizer_constant=self.normalizer_constant, advantage_std=self.advantage_std, sharding=sharding,
-            temperature=self.temperature, determinism_scope="topology_invariant", **self.groups)
+            temperature=self.temperature, determinism_scope="topology_invariant", delta=self.delta,
+            use_bias_correction_kl=self.bias_kl, **self.groups)
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
         """Global inputs on the CPU (the same bits on every platform)."""
@@ -89,7 +93,7 @@ class Scenario:
             ref_logps, _ = VocabParallelLogprobOp()(ref.reshape(S * T, V), ids.reshape(-1),
                                                     contract=self.contract().logprob_contract, mask=mask.reshape(-1))
             out["ref_logits"], out["ref_logps"] = None, ref_logps.view(S, T)
-        return out
+        return self._weights(rng, out)
 
 
     def _linear_inputs(self) -> dict[str, torch.Tensor | None]:
@@ -118,6 +122,13 @@ class Scenario:
                                         kernels="torch")
             out["ref_logps" if self.reference == "logps" else "ref_hidden"] = (
                 ref_logps if self.reference == "logps" else ref_hidden)
+        return self._weights(rng, out)
+
+    def _weights(self, rng: np.random.RandomState, out: dict) -> dict:
+        """The importance sampling weights in [0.5, 1.5), drawn last (the other inputs keep their bits)."""
+        S, T = self.num_sequences, self.seq_len
+        out["importance_sampling_ratio"] = (0.5 + uniform(rng, (S, T if self.is_ratio == "token" else 1))
+                                            if self.is_ratio else None)
         return out
 
 
@@ -148,11 +159,15 @@ SCENARIOS = {s.name: s for s in [
     Scenario("identity", vocab=1000, seed=10, identity=True),
     Scenario("ref_logps_bf16_csr", vocab=1031, seed=14, dtype="bfloat16", reference="logps", clip=(0.2, 0.28),
              advantage_std="unbiased_eps", groups={"group_boundaries": (0, 2, 5, 8)}),
+    Scenario("token_options_bf16", vocab=1031, seed=15, dtype="bfloat16", clip=(0.2, 0.28), delta=1.1, bias_kl=True,
+             is_ratio="token"),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),
     Scenario("linear_beta0_per_sequence", vocab=1024, seed=13, hidden=32, beta=0.0, empty=(2,),
              normalizer="per_sequence_then_batch_mean", clip=(0.2, 0.28)),
+    Scenario("linear_token_options", vocab=1000, seed=16, hidden=32, reference="logps", delta=1.3, bias_kl=True,
+             is_ratio="sequence", normalizer="per_sequence_then_batch_mean"),
 ]}
 
 

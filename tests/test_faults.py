@@ -63,6 +63,11 @@ def _nan_logit(a: dict, lay: Layout) -> None:
     a["policy"][0, 0, 0] = float("nan")
 
 
+def _negative_weight(a: dict, lay: Layout) -> None:
+    a["is_ratio"] = torch.ones_like(a["old"])
+    a["is_ratio"][0, 0] = -1.0  # token (lo, 0) is active in every shard
+
+
 def _lose_a_call(a: dict, lay: Layout) -> None:
     """As if this rank's count of calls had lost one (no public path leads there: the sequence numbers are
     the last line of defence, and this proves they hold: every rank involved raises, then they agree again)."""
@@ -108,6 +113,10 @@ FAULTS = [
      "RuntimeError while checking the inputs: injected"),
     ("old_logps NaN at an active token", lambda lay: True, {}, _nan_old,
      "old_logps: expected finite values at active tokens"),
+    ("importance weights on one rank only", lambda lay: True, {},
+     lambda a, lay: a.update(is_ratio=torch.ones_like(a["old"])), "importance_sampling_ratio"),
+    ("importance weight -1 at an active token", lambda lay: True, {}, _negative_weight,
+     "importance_sampling_ratio: expected finite values >= 0 at active tokens"),
     ("TP siblings hold different masks", lambda lay: lay.tp > 1, {}, _flip_mask, "completion_mask"),
     ("call numbers out of step", lambda lay: True, {}, _lose_a_call, "sequence mismatch"),
     ("NaN policy logit at an active token", lambda lay: True, {}, _nan_logit, None),  # after the preflight
@@ -121,7 +130,7 @@ def _args(inp: dict, lay: Layout, p, beta: float, ref: bool = True) -> dict:
     return dict(contract=c, policy=inp["policy_logits"][lo:hi, :, vlo:vhi], ref_full=ref_local,
                 ref=ref_local if ref else None, ids=inp["action_ids"][lo:hi], old=inp["old_logps"][lo:hi],
                 rewards=inp["rewards"][lo:hi], mask=inp["completion_mask"][lo:hi], tp_group=p.tp_group,
-                dp_group=p.dp_group, explode=False)
+                dp_group=p.dp_group, explode=False, is_ratio=None)
 
 
 def _call(a: dict) -> None:
@@ -133,7 +142,8 @@ def _call(a: dict) -> None:
         module.check_inputs = explode
     try:
         OP.apply(a["policy"], a["ids"], a["old"], a["rewards"], contract=a["contract"], completion_mask=a["mask"],
-                 ref_local_logits=a["ref"], tp_group=a["tp_group"], dp_group=a["dp_group"])
+                 ref_local_logits=a["ref"], tp_group=a["tp_group"], dp_group=a["dp_group"],
+                 importance_sampling_ratio=a["is_ratio"])
     finally:
         module.check_inputs = original
 

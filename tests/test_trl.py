@@ -1,5 +1,7 @@
 """TRL's `GRPOTrainer` trained with TRL's own loss and with ours (`GRPOCoreTrainer`): the same logged numbers and
-the same parameters after every step, for loss_type grpo, bnpo, dr_grpo and dapo, with and without the KL term.
+the same parameters after every step, for loss_type grpo, bnpo, dr_grpo and dapo, with and without the KL term, and
+with TRL's `delta` and `use_bias_correction_kl`. vLLM's importance sampling ratio cannot come from a run here (no
+vLLM): both trainers' `_compute_loss` take it on one batch made by the test.
 
 Everything is local and on the CPU: a tiny randomly initialized Llama built from a config, a character-level
 tokenizer built with `tokenizers`, a six-prompt in-memory dataset, a toy reward. No hub access (offline mode is
@@ -76,19 +78,25 @@ def toy_reward(completions, **kwargs) -> list[float]:
     return [sum(ord(ch) % 7 for ch in completion) / 8.0 + 0.1 * len(completion) for completion in completions]
 
 
-def train(model_path: str, out_dir, trainer_cls, *, loss_type: str, beta: float, num_iterations: int = 2):
-    """Trains 4 steps; returns the logged step records, the parameters after each step and the initial ones."""
-    args = trl.GRPOConfig(
+def make_trainer(model_path: str, out_dir, trainer_cls, *, loss_type: str, beta: float, num_iterations: int = 2,
+                 **overrides):
+    """The trainer of the run shape above; `overrides`: further `GRPOConfig` arguments (`delta=...`)."""
+    config = dict(
         output_dir=str(out_dir), use_cpu=True, bf16=False, seed=0, report_to="none", save_strategy="no",
         disable_tqdm=True, logging_steps=1, max_steps=4, optim="sgd", learning_rate=0.3,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=2, num_generations=4,
         num_iterations=num_iterations, max_completion_length=8, loss_type=loss_type, beta=beta, temperature=0.9,
-        # TRL 1.16's default use_bias_correction_kl=True multiplies the KL by the ratio: not ours (see trl.py)
-        epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False)
+        epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False)  # TRL 1.16's default is True: a case sets it
     dataset = Dataset.from_dict({"prompt": ["abc", "hag", "bead", "cafe", "dh", "g e"]})
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
-    trainer = trainer_cls(model=model_path, reward_funcs=toy_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    return trainer_cls(model=model_path, reward_funcs=toy_reward, args=trl.GRPOConfig(**{**config, **overrides}),
+                       train_dataset=dataset, processing_class=tokenizer)
+
+
+def train(model_path: str, out_dir, trainer_cls, **options):
+    """Trains 4 steps (`options`: `make_trainer`'s); returns the logged step records, the parameters after each step
+    and the initial ones."""
+    trainer = make_trainer(model_path, out_dir, trainer_cls, **options)
     snapshots = []
 
     class Snapshot(TrainerCallback):
@@ -153,6 +161,88 @@ def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
     print("on-policy dapo beta=0.04: largest |TRL - ours|: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
 
 
+# Each option changes TRL's own training in its case (asserted: TRL without it ends elsewhere), so a loss that
+# ignored it would fail. `delta` clamps the unclipped ratio above. Above 1 + epsilon_high (as TRL recommends) it binds
+# only where the advantage is negative and the ratio above delta, which training makes rare: past 1.28 never in these
+# runs, past 1.1 on the second pass over the second generation (step 4); hence epsilon_high=0.05 and delta=1.1.
+# (Below 1 + epsilon_high, TRL's logged clip ratio counts the clamped ratio, the loss's the ratio: they differ.)
+# `use_bias_correction_kl` (the KL times the ratio) changes the gradient from step 2 on (step 1 starts from the
+# reference's parameters: a KL of 0).
+DELTA = dict(delta=1.1, epsilon_high=0.05)
+
+
+@pytest.mark.parametrize("loss_type, beta, options", [
+    ("dapo", 0.0, DELTA),
+    ("dapo", 0.04, dict(use_bias_correction_kl=True)),
+    ("grpo", 0.04, dict(DELTA, use_bias_correction_kl=True)),
+], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl"])
+def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, options):
+    theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
+    ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)
+    worst = compare(theirs, ours, beta)
+    gaps = {}
+    for name in ("delta", "use_bias_correction_kl"):  # not vacuous: TRL without the option ends elsewhere
+        if name in options:
+            without = {k: v for k, v in options.items() if k != name}
+            plain = train(tiny_model, tmp_path / name, trl.GRPOTrainer, loss_type=loss_type, beta=beta, **without)
+            gaps[name] = max(max_param_diff(a, b) for a, b in zip(theirs[1], plain[1]))
+            assert gaps[name] > 100 * PARAM_ATOL, f"{name} does not change TRL's training: the case proves nothing"
+    print(f"{loss_type} beta={beta} {options}: largest |TRL - ours|: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+          + "; TRL's parameters without " + ", ".join(f"{k} move by {v:.2e}" for k, v in gaps.items()))
+
+
+def test_vllm_importance_sampling_matches_trl(tiny_model, tmp_path):
+    """TRL's vLLM importance sampling correction without vLLM: both trainers' `_compute_loss` on one batch made here
+    with `inputs["importance_sampling_ratio"]` (`[B, T]`, then `[B, 1]`), with `use_vllm` and
+    `vllm_importance_sampling_correction` set on the instances (TRL's condition for applying it). Eval mode: the
+    accumulation scaling is the training tests' part. Same loss and gradients; TRL's loss without the correction, and
+    the shift that putting the ratio on the KL term too would make, are far outside the tolerance."""
+    trainers = [make_trainer(tiny_model, tmp_path / cls.__name__, cls, loss_type="dapo", beta=0.04)
+                for cls in (trl.GRPOTrainer, GRPOCoreTrainer)]
+    for trainer in trainers:
+        trainer.model.eval()
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 8, 3, 8
+    prompt_ids, completion_ids = torch.randint(3, 12, (B, P), generator=g), torch.randint(1, 12, (B, T), generator=g)
+    mask = (torch.arange(T) < torch.randint(1, T + 1, (B,), generator=g)[:, None]).long()  # lengths 1 to T
+    completion_ids = completion_ids * mask  # padded with <pad> = 0, as TRL pads
+    with torch.no_grad():
+        logp = trainers[0]._get_per_token_logps_and_entropies(
+            trainers[0].model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([torch.ones_like(prompt_ids), mask], 1), T)[0]
+    ref = logp + torch.randn(B, T, generator=g)
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids), completion_ids=completion_ids,
+                  completion_mask=mask, advantages=torch.randn(B, generator=g), num_items_in_batch=mask.sum(),
+                  old_per_token_logps=logp + 0.2 * torch.randn(B, T, generator=g), ref_per_token_logps=ref)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1.0  # TRL's k3 term (use_bias_correction_kl=False)
+
+    def loss_and_grads(trainer, ratio):
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, {**inputs, "importance_sampling_ratio": ratio})
+        loss.backward()
+        return loss.item(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+    for shape in [(B, T), (B, 1)]:
+        ratio = 0.5 + 1.5 * torch.rand(shape, generator=g)
+        (loss_t, grads_t), (loss_o, grads_o) = (loss_and_grads(trainer, ratio) for trainer in trainers)
+        loss_diff, grad_diff = abs(loss_t - loss_o), max_param_diff(grads_t, grads_o)
+        tol = ATOL + RTOL * abs(loss_t)
+        assert loss_diff <= tol, f"{list(shape)}: loss {loss_t!r} (TRL) vs {loss_o!r} (ours)"
+        assert grad_diff <= PARAM_ATOL, f"{list(shape)}: gradients differ by up to {grad_diff:.3e}"
+        trainers[0].vllm_importance_sampling_correction = False  # not vacuous: the ratio changes TRL's loss ...
+        loss_off, grads_off = loss_and_grads(trainers[0], ratio)
+        trainers[0].vllm_importance_sampling_correction = True
+        assert abs(loss_off - loss_t) > 100 * tol and max_param_diff(grads_off, grads_t) > 100 * PARAM_ATOL
+        # ... and a ratio on the KL term too would add this (dapo in eval: over the active tokens)
+        kl_shift = 0.04 * (mask * kl * (ratio - 1.0)).sum().item() / mask.sum().item()
+        assert abs(kl_shift) > 100 * tol
+        print(f"vLLM importance sampling ratio {list(shape)}: largest |TRL - ours|: loss {loss_diff:.2e}, "
+              f"gradients {grad_diff:.2e}; without the ratio the loss moves by {abs(loss_off - loss_t):.2e}, with it "
+              f"on the KL term too by {abs(kl_shift):.2e}")
+
+
 def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
     """The comparison's premise: two identical TRL runs give the same bits (seeded sampling, CPU, fp32)."""
     a, b = (train(tiny_model, tmp_path / name, trl.GRPOTrainer, loss_type="dapo", beta=0.04) for name in "ab")
@@ -166,8 +256,6 @@ def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
     (dict(loss_type="cispo"), "loss_type"),
     (dict(loss_type="sapo"), "loss_type"),
     (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
-    (dict(delta=2.0), "delta"),
-    (dict(use_bias_correction_kl=True, beta=0.04), "use_bias_correction_kl"),
     (dict(loss_type="dr_grpo"), "max_completion_length"),
 ])
 def test_linear_loss_refuses(kwargs, match):
@@ -175,26 +263,27 @@ def test_linear_loss_refuses(kwargs, match):
         GRPOLinearLoss(**kwargs)
 
 
-@pytest.mark.parametrize("option, value", [("top_entropy_quantile", 0.5), ("beta", 0.04)])
+@pytest.mark.parametrize("option, value", [("top_entropy_quantile", 0.5), ("off_policy_mask_threshold", 0.5)])
 def test_trainer_refuses_unsupported_options(tiny_model, tmp_path, option, value):
-    """`top_entropy_quantile` needs the token entropies; `beta != 0` with TRL 1.16's default
-    `use_bias_correction_kl=True` needs the KL times the ratio."""
+    """`top_entropy_quantile` needs the token entropies; `off_policy_mask_threshold` an off-policy sequence mask."""
     args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
                           per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
                           **{option: value})
     dataset = Dataset.from_dict({"prompt": ["abc", "hag"]})
-    with pytest.raises(ValueError, match="top_entropy_quantile" if option != "beta" else "use_bias_correction_kl"):
+    with pytest.raises(ValueError, match=option):
         GRPOCoreTrainer(model=tiny_model, reward_funcs=toy_reward, args=args, train_dataset=dataset,
                         processing_class=PreTrainedTokenizerFast.from_pretrained(tiny_model))
 
 
 def test_linear_loss_liger_interface():
     """Liger's metrics tuple: (kl, clip_ratio) with beta != 0, (clip_ratio,) without; the reference by its hidden
-    states gives what its log-probs give; use_ref_model=False makes the KL zero; vllm_is_ratio is refused."""
+    states gives what its log-probs give; use_ref_model=False makes the KL zero; vllm_is_ratio weighs the surrogate
+    term alone ([B, 1] as its [B, T] broadcast)."""
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 4, 5, 8, 16
     hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
-    ids, mask, adv = torch.randint(0, V, (B, T), generator=g), torch.rand(B, T, generator=g) < 0.8, torch.randn(B)
+    ids, mask = torch.randint(0, V, (B, T), generator=g), torch.rand(B, T, generator=g) < 0.8
+    adv = torch.randn(B, generator=g)
     ref_hidden = hidden + 0.1 * torch.randn(B, T, H, generator=g)
     ref_logps = torch.log_softmax(ref_hidden @ weight.T, -1).gather(-1, ids[..., None])[..., 0]
     by_logps = GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_per_token_logps=ref_logps)
@@ -205,8 +294,16 @@ def test_linear_loss_liger_interface():
     loss, metrics = GRPOLinearLoss(beta=0.04, use_ref_model=False)(hidden, weight, ids, mask, adv)
     plain, plain_metrics = GRPOLinearLoss(beta=0.0)(hidden, weight, ids, mask, adv)
     assert metrics[0].item() == 0.0 and loss.item() == plain.item() and len(plain_metrics) == 1
-    with pytest.raises(ValueError, match="vllm_is_ratio"):
-        GRPOLinearLoss(beta=0.0)(hidden, weight, ids, mask, adv, vllm_is_ratio=torch.ones(B))
+    # Twice the ratio adds the surrogate term once more (the KL term unweighted), per sequence as per token
+    per_seq = 0.5 + torch.rand(B, 1, generator=g)
+    by_seq, by_tok = (GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_per_token_logps=ref_logps,
+                                                vllm_is_ratio=r)[0].item() for r in (per_seq, per_seq.expand(B, T)))
+    doubled = GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_per_token_logps=ref_logps,
+                                        vllm_is_ratio=2 * per_seq)[0].item()
+    surrogate = GRPOLinearLoss(beta=0.0)(hidden, weight, ids, mask, adv, vllm_is_ratio=per_seq)[0].item()
+    kl_term = 0.04 * by_logps[1][0].item()  # a ratio on it would add over half of it (the ratios are >= 0.5)
+    assert abs(surrogate) > 1e-3 and kl_term > 1e-3 * abs(surrogate)  # not vacuous: neither term is negligible
+    assert by_seq == by_tok and math.isclose(doubled - by_seq, surrogate, rel_tol=1e-5)
 
 
 def test_loss_module_imports_without_trl():

@@ -129,19 +129,22 @@ class DistributedGRPOLossOp:
               rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
               check_values: str = "deferred", advantages: torch.Tensor | None = None,
-              ref_logps: torch.Tensor | None = None) -> GRPOLossResult:
+              ref_logps: torch.Tensor | None = None, importance_sampling_ratio: torch.Tensor | None = None
+              ) -> GRPOLossResult:
         """`check_values` (the Triton kernels; the torch ones check in the call): "deferred" checks the values
         without a device sync and raises at a later call (at the latest `pending.AHEAD` calls later) or at
         `grpo_core.raise_pending()`, "sync" in this call (`pending.py`). `ref_logps` `[n_local, padded_seq_len]`:
         the reference's log-probs of the action ids, given in place of `ref_local_logits` (the same on TP
-        siblings)."""
+        siblings); `importance_sampling_ratio` `[n_local, padded_seq_len]` or `[n_local, 1]`: the rollout's importance
+        weights, multiplied into each token's surrogate term (the same on TP siblings)."""
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
         pending.poll((tp_group, dp_group))  # this op's collective checks: every rank raises at the same call
         triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
-                   "ref_logps": ref_logps, "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards,
-                   "advantages": advantages, "completion_mask": completion_mask}
+                   "ref_logps": ref_logps, "importance_sampling_ratio": importance_sampling_ratio,
+                   "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
+                   "completion_mask": completion_mask}
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
             nonlocal triton_runs
@@ -159,8 +162,8 @@ class DistributedGRPOLossOp:
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                                 beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
                                 rewards_required=True, values=not triton_runs, advantages=advantages,
-                                advantages_input=contract.advantages_input,
-                                ref_logps=ref_logps)  # Triton: flags, no device sync
+                                advantages_input=contract.advantages_input, ref_logps=ref_logps,
+                                importance_sampling_ratio=importance_sampling_ratio)  # Triton: flags, no sync
 
         def replicated() -> str:  # compared on the TP axis only
             if contract.sharding.tp_world_size == 1:
@@ -171,13 +174,16 @@ class DistributedGRPOLossOp:
                 given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
             return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
                                      torch.where(active, old_logps, 0), rewards, given,
-                                     None if ref_logps is None else torch.where(active, ref_logps, 0))
+                                     None if ref_logps is None else torch.where(active, ref_logps, 0),
+                                     None if importance_sampling_ratio is None else
+                                     torch.where(active, importance_sampling_ratio, 0))
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
         c = _Call(contract, mask, action_ids, completion_mask, old_logps.detach().to(torch.float32),
                   inverse_temperature(contract.temperature), (1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high),
-                  tp_group, dp_group, check_values)
+                  tp_group, dp_group, check_values, None if importance_sampling_ratio is None else
+                  canonical.given_logprobs(importance_sampling_ratio, mask))
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         rewards_local = rewards_all = None
         if contract.advantages_input is AdvantagesInput.REWARDS:
@@ -197,7 +203,8 @@ class DistributedGRPOLossOp:
         ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
         scalars, w, flag = k.finish(sums, ints, contract)
         loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
-        k.settle(c, (policy_local_logits, ref_local_logits, ref_logps, old_logps, rewards, advantages), flag, ints[1],
+        k.settle(c, (policy_local_logits, ref_local_logits, ref_logps, old_logps, rewards, advantages,
+                     importance_sampling_ratio), flag, ints[1],
                  loss, logp, logp_ref, None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
         if policy_local_logits.requires_grad and torch.is_grad_enabled():
             w = w[seq_lo:seq_hi]
@@ -229,6 +236,7 @@ class _Call:
     tp_group: Any
     dp_group: Any
     check_values: str
+    is_ratio: torch.Tensor | None  # fp32 [n_local, T], 0.0 on masked tokens (`canonical.given_logprobs`)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
@@ -270,10 +278,12 @@ class _TorchKernels:
         if ref is not None:
             logp_ref, _, bad_ref = logprobs(ref)
             bad_rows |= bad_ref
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask)
+        o = c.contract
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        sums = torch.stack([self.token_sum(canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t)),
+        sums = torch.stack([self.token_sum(canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta,
+                                                                       c.is_ratio)),
                             self.token_sum(kl_tok), local_ratio])
         ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
         return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t)
@@ -303,7 +313,9 @@ class _TorchKernels:
     @staticmethod
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
         rows, ids, lse, ratio, adv, lo_t, hi_t = state
-        coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, c.contract.beta)
+        o = c.contract
+        coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio,
+                                    o.use_bias_correction_kl)
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
         scaled = coef.reshape(-1)[rows] * grad_loss
@@ -346,8 +358,9 @@ class _TritonKernels:
         lse = kernels.merge_lse(stats, c.mask)
         logp = torch.where(c.mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
         logp_ref = logp[1] if ref is not None else given_ref
+        o = c.contract
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
-                                           c.contract.vocab_size, *c.clip)
+                                           o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl)
         return logp[0], logp_ref, sums, ints, (lse[0], adv)
 
     @staticmethod
@@ -366,15 +379,16 @@ class _TritonKernels:
         world's groups are the key of its deferred checks)."""
         s, contract = c.contract.sharding, c.contract
         seq_lo, seq_hi = s.sequence_bounds
-        policy, ref, ref_logps, old_logps, rewards, advantages = inputs
+        policy, ref, ref_logps, old_logps, rewards, advantages, is_ratio = inputs
         kept = [None if t is None else t.detach()
-                for t in (c.action_ids, old_logps, rewards, c.completion_mask, advantages, ref_logps)]
+                for t in (c.action_ids, old_logps, rewards, c.completion_mask, advantages, ref_logps, is_ratio)]
         logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
 
         def recheck() -> None:
             mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=contract.beta,
                                 vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo, rewards_required=True,
-                                advantages=kept[4], advantages_input=contract.advantages_input, ref_logps=kept[5])
+                                advantages=kept[4], advantages_input=contract.advantages_input, ref_logps=kept[5],
+                                importance_sampling_ratio=kept[6])
             check_logprobs(logp, logp_ref, mask)
             if derived is not None:
                 check_derived_advantages(*derived)
@@ -397,5 +411,7 @@ class _TritonKernels:
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
         from ..triton import canonical as kernels
         lse, adv = state
+        o = c.contract
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
-                            c.contract.sharding.vocab_bounds[0], *c.clip, c.contract.beta, c.inv)
+                            o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=c.is_ratio,
+                            bias_kl=o.use_bias_correction_kl)

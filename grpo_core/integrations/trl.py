@@ -16,14 +16,19 @@ does. Generation, rewards, advantages and the old and reference log-probabilitie
 (beta != 0) and `clip_ratio/region_mean`; not `entropy` nor the low / high clip ratios, which the loss does not
 compute.
 
+TRL's (and Liger's) loss options reach the loss: `delta` (two-sided clipping: the unclipped ratio clamped above at
+delta; below 1 + epsilon_high, the logged `clip_ratio/region_mean` counts the ratio and TRL's the clamped ratio),
+`use_bias_correction_kl` (the k3 KL times the token ratio; TRL 1.16's default) and the vLLM importance sampling
+correction (Liger's `vllm_is_ratio`, TRL's `inputs["importance_sampling_ratio"]`, `[B, T]` or `[B, 1]`, multiplied
+into the surrogate term and not into the KL). The trainer takes them from its config, the ratio exactly when TRL
+applies it (`use_vllm` and `vllm_importance_sampling_correction`).
+
 Not supported, refused with a `ValueError` naming the argument (the loss is the clipped surrogate plus the k3 KL
 under one token normalizer, nothing else): loss types other than grpo, bnpo, dr_grpo and dapo (cispo, sapo, luspo
-and vespo change the per-token loss); `importance_sampling_level='sequence'` (GSPO's sequence ratio); `delta` (a
-second clamp on the ratio); `use_bias_correction_kl=True` with `beta != 0` (the KL times the ratio; it is TRL
-1.16's default, so a TRL user with a KL term sets it False); `vllm_is_ratio` (vLLM's importance sampling
-correction). The trainer also refuses what needs the token entropies or a loss term of its own
-(`top_entropy_quantile`, `entropy_coef`, `use_adaptive_entropy`, `off_policy_mask_threshold`, a MoE router loss),
-logits that the model soft-caps or scales, and vision inputs.
+and vespo change the per-token loss); `importance_sampling_level='sequence'` (GSPO's sequence ratio). The trainer
+also refuses what needs the token entropies or a loss term of its own (`top_entropy_quantile`, `entropy_coef`,
+`use_adaptive_entropy`, `off_policy_mask_threshold`, a MoE router loss), logits that the model soft-caps or scales,
+and vision inputs.
 """
 
 from __future__ import annotations
@@ -58,16 +63,12 @@ class GRPOLinearLoss(torch.nn.Module):
         if importance_sampling_level != "token":
             raise ValueError(f"importance_sampling_level: expected 'token', got {importance_sampling_level!r} "
                              f"(grpo-core computes the per-token ratio, not GSPO's sequence ratio)")
-        if delta is not None:
-            raise ValueError(f"delta: expected None, got {delta!r} (grpo-core has no second clamp on the ratio)")
-        if use_bias_correction_kl and beta != 0.0:  # TRL 1.16's default is True: set it False with beta != 0
-            raise ValueError(f"use_bias_correction_kl: expected False with beta={beta!r}, got True (grpo-core's KL "
-                             f"term is the k3 estimate, not multiplied by the ratio)")
         if loss_type == "dr_grpo" and max_completion_length is None:
             raise ValueError("max_completion_length: expected an int with loss_type='dr_grpo', got None")
         self.beta, self.use_ref_model, self.loss_type = beta, use_ref_model, loss_type
         self.epsilon_low, self.epsilon_high, self.temperature = epsilon_low, epsilon_high, temperature
         self.max_completion_length = max_completion_length
+        self.delta, self.use_bias_correction_kl = delta, use_bias_correction_kl
 
     def forward(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
                 attention_mask: torch.Tensor, advantages: torch.Tensor, bias: torch.Tensor | None = None,
@@ -79,10 +80,8 @@ class GRPOLinearLoss(torch.nn.Module):
         """`_input [B, T, H]`, `lin_weight [V, H]`, `selected_token_ids`, `attention_mask [B, T]`, `advantages [B]`.
         `num_items_in_batch` (dapo): the active tokens of the whole generation batch, over all processes; the loss
         is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this batch,
-        summed over the processes, over the world size)."""
-        if vllm_is_ratio is not None:
-            raise ValueError("vllm_is_ratio: expected None (grpo-core applies no vLLM importance sampling "
-                             "correction); set vllm_importance_sampling_correction=False")
+        summed over the processes, over the world size). `vllm_is_ratio` `[B, T]` or `[B, 1]`: vLLM's importance
+        sampling ratio, multiplied into each token's surrogate term (not into the KL term)."""
         use_ref = self.use_ref_model and self.beta != 0.0
         if use_ref and ref_per_token_logps is None and ref_input is None:
             raise ValueError("ref_per_token_logps / ref_input: expected one of them with use_ref_model=True and "
@@ -94,7 +93,8 @@ class GRPOLinearLoss(torch.nn.Module):
             advantages=advantages, ref_logps=ref_per_token_logps if use_ref else None,
             ref_hidden=ref_input if use_ref else None, ref_weight=ref_weight if use_ref else None,
             ref_bias=ref_bias if use_ref else None, clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high,
-            beta=self.beta if use_ref else 0.0, temperature=self.temperature,
+            beta=self.beta if use_ref else 0.0, temperature=self.temperature, delta=self.delta,
+            use_bias_correction_kl=self.use_bias_correction_kl, importance_sampling_ratio=vllm_is_ratio,
             **self._normalizer(attention_mask, num_items_in_batch))
         metrics = (result.clip_fraction,)
         if self.beta != 0.0:
@@ -150,9 +150,6 @@ def _grpo_core_trainer() -> type:
                 if value != default:
                     raise ValueError(f"{name}: expected {default!r} with GRPOCoreTrainer, got {value!r} (grpo-core's "
                                      f"loss computes neither the token entropies nor an off-policy mask)")
-            if self.use_vllm and self.vllm_importance_sampling_correction:
-                raise ValueError("vllm_importance_sampling_correction: expected False with GRPOCoreTrainer and "
-                                 "use_vllm=True, got True (grpo-core applies no vLLM importance sampling correction)")
             if self.aux_loss_enabled:
                 raise ValueError(f"router_aux_loss_coef: expected 0.0 with GRPOCoreTrainer for a MoE model, got "
                                  f"{self.router_aux_loss_coef!r} (the loss has no router term)")
@@ -206,10 +203,12 @@ def _grpo_core_trainer() -> type:
             if self.args.cast_lm_head_to_fp32:  # the matmul in fp32: the gradient flows back through the casts
                 hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            applies = self.use_vllm and self.vllm_importance_sampling_correction  # as TRL (and vespo: refused)
+            is_ratio = inputs["importance_sampling_ratio"] if applies else None
             return self.grpo_core_loss(hidden, weight, completion_ids, mask, inputs["advantages"],
                                        bias=bias, ref_per_token_logps=inputs.get("ref_per_token_logps"),
                                        old_per_token_logps=inputs.get("old_per_token_logps"),
-                                       num_items_in_batch=num_items)
+                                       vllm_is_ratio=is_ratio, num_items_in_batch=num_items)
 
     GRPOCoreTrainer.__module__, GRPOCoreTrainer.__qualname__ = __name__, "GRPOCoreTrainer"
     return GRPOCoreTrainer

@@ -40,17 +40,25 @@ class NativeGRPOLossOp:
                  normalizer: TokenNormalizer | str | None = None, normalizer_constant: float | None = None,
                  advantage_std: AdvantageStd | str | None = None, temperature: float = 1.0,
                  advantages: torch.Tensor | None = None, loss_type: str | None = None,
-                 max_completion_length: int | None = None, ref_logps: torch.Tensor | None = None
+                 max_completion_length: int | None = None, ref_logps: torch.Tensor | None = None,
+                 delta: float | None = None, use_bias_correction_kl: bool = False,
+                 importance_sampling_ratio: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
         'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
         with rewards; `ref_logps` `[B, T]`: the reference's log-probs of the action ids, given in place of
-        `ref_logits` (pass `ref_logits=None`)."""
+        `ref_logits` (pass `ref_logits=None`). TRL's `delta` (an upper clamp of the unclipped ratio) and
+        `use_bias_correction_kl` (the KL term times the ratio); `importance_sampling_ratio` `[B, T]` or `[B, 1]`:
+        the rollout engine's importance weights (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`),
+        multiplied into each token's surrogate term."""
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
-                         max_completion_length=max_completion_length, ref_logps=ref_logps)
-        return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {}))
+                         max_completion_length=max_completion_length, ref_logps=ref_logps, delta=delta,
+                         use_bias_correction_kl=use_bias_correction_kl,
+                         importance_sampling_ratio=importance_sampling_ratio)
+        return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {},
+                               importance_sampling_ratio))
 
     def supports(self, contract: GRPOLossContract) -> list[str]:
         """Reasons this op cannot serve `contract` (empty when it can)."""
@@ -67,7 +75,8 @@ class NativeGRPOLossOp:
     def apply(self, policy_local_logits: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor,
               rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
-              advantages: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> GRPOLossResult:
+              advantages: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+              importance_sampling_ratio: torch.Tensor | None = None) -> GRPOLossResult:
         """`rewards` or `advantages`: the one `contract.advantages_input` declares."""
         reasons = self.supports(contract)
         if reasons:
@@ -80,12 +89,13 @@ class NativeGRPOLossOp:
                                     f"{list(expected)} from the contract, got {list(policy_local_logits.shape)}")
         mask = check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                             beta=contract.beta, rewards_required=True, advantages=advantages, advantages_input=kind,
-                            ref_logps=ref_logps)
+                            ref_logps=ref_logps, importance_sampling_ratio=importance_sampling_ratio)
         return self._run(policy_local_logits, ref_local_logits, ref_logps, action_ids, old_logps, rewards, advantages,
-                         LossOptions.of(contract, mask), {"fingerprint": contract.fingerprint()})
+                         LossOptions.of(contract, mask), {"fingerprint": contract.fingerprint()},
+                         importance_sampling_ratio)
 
     def _run(self, policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o: LossOptions,
-             extra) -> GRPOLossResult:
+             extra, is_ratio=None) -> GRPOLossResult:
         mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
         if o.advantages_input is AdvantagesInput.REWARDS:
             advantages = adv = canonical.group_advantages(rewards.detach(), o.groups, o.std)
@@ -101,9 +111,10 @@ class NativeGRPOLossOp:
         check_logprobs(logp.detach(), logp_ref, mask)
         if o.advantages_input is AdvantagesInput.REWARDS:  # a group whose sum or variance overflowed: NaN
             check_derived_advantages(adv, rewards.detach().to(torch.float32), o.groups)
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp)
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp, bias_kl=o.bias_kl)
         lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp)
-        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi)
+        is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
+        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio)
         per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
                                               mask.sum(dim=-1))
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,

@@ -25,6 +25,7 @@ Masked rows are never read.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -270,14 +271,20 @@ def _merge_kernel(
 
 
 @triton.jit
-def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, HAS_REF: tl.constexpr):
-    """`canonical.ratio_and_kl` and `canonical.clipped_surrogate` of one block of tokens."""
+def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, HAS_REF: tl.constexpr,
+                 HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr):
+    """`canonical.ratio_and_kl` and `canonical.clipped_surrogate` of one block of tokens (`delta`: +inf without
+    one, where `min` changes nothing; `w`: the importance weights, HAS_IS)."""
     ratio = exp(tl.where(active, logp - old, 0.0))
-    policy = -_min(ratio * adv, _min(_max(ratio, clip_lo), clip_hi) * adv)
+    policy = -_min(_min(ratio, delta) * adv, _min(_max(ratio, clip_lo), clip_hi) * adv)
+    if HAS_IS:
+        policy = policy * w
     kl = tl.zeros_like(ratio)
     if HAS_REF:
         d = tl.where(active, logp_ref - logp, 0.0)
         kl = (exp(d) - d) - 1.0
+        if BIAS_KL:
+            kl = kl * ratio
     return ratio, tl.where(active, policy, 0.0), kl
 
 
@@ -290,11 +297,14 @@ def _sequence_kernel(
     ids_ptr,  # global action ids [B, T]
     adv_ptr,  # fp32 [B] advantages (TOKEN_ADV: [B, T]); only what active tokens read is read
     r_ptr,  # fp32 [B] rewards (REWARDS)
+    is_ptr,  # fp32 [B, T] importance weights (HAS_IS)
     out_ptr,  # out: fp32 [3, B] = each sequence's token sums of the surrogate, the KL and the ratio
     ints_ptr,  # out: int64 [3, B] = active tokens, bad-value flag, clipped tokens (`canonical.clipped_tokens`)
-    B, T, vocab, clip_lo, clip_hi,
+    B, T, vocab, clip_lo, clip_hi, delta,
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    BIAS_KL: tl.constexpr,  # the KL term times the ratio
     TOKEN_ADV: tl.constexpr,  # an advantage per token
     REWARDS: tl.constexpr,  # the advantages come from the rewards: flag a non-finite reward or advantage
     CHECK_MASK: tl.constexpr,  # the mask is not bool: flag active values other than 1
@@ -302,10 +312,10 @@ def _sequence_kernel(
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # chunks, padded to a power of two
 ):
     """The bad-value flag is set where an active token has an id outside `[0, vocab)`, a mask value other than 1,
-    a non-finite old log-prob, advantage or log-prob (policy or reference), or where the reward or the advantage
-    derived from the rewards is not finite."""
+    a non-finite old log-prob, advantage or log-prob (policy or reference), an importance weight that is not finite
+    and >= 0, or where the reward or the advantage derived from the rewards is not finite."""
     b = tl.program_id(0).to(tl.int64)
-    clip_lo, clip_hi = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32)
+    clip_lo, clip_hi, delta = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32), tl.cast(delta, tl.float32)
     idx = tl.arange(0, CHUNKS)
     pol = tl.zeros((CHUNKS,), tl.float32)
     kls = tl.zeros((CHUNKS,), tl.float32)
@@ -325,9 +335,13 @@ def _sequence_kernel(
             adv = tl.load(adv_ptr + b * T + t, mask=active, other=0.0)
         else:  # the sequence's advantage at every token
             adv = tl.load(adv_ptr + b + 0 * t, mask=active, other=0.0)
-        ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, HAS_REF)
+        w = tl.load(is_ptr + b * T + t, mask=active, other=0.0) if HAS_IS else adv
+        ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, HAS_REF,
+                                         HAS_IS, BIAS_KL)
         finite = ((tl.abs(logp) < float("inf")) & (tl.abs(logp_ref) < float("inf")) & (tl.abs(old) < float("inf"))
                   & (tl.abs(adv) < float("inf")) & (ids >= 0) & (ids < vocab))
+        if HAS_IS:
+            finite = finite & (w >= 0.0) & (w < float("inf"))
         if CHECK_MASK:
             finite = finite & (raw == 1)
         bad = tl.maximum(bad, (active & ~finite).to(tl.int32))
@@ -454,13 +468,16 @@ def _grad_kernel(
     old_ptr,  # fp32 [N] old log-probs
     adv_ptr,  # fp32 [N // T] advantages of this rank's sequences (TOKEN_ADV: [N], one per token)
     w_ptr,  # fp32 [N // T] normalizer weights of this rank's sequences
+    is_ptr,  # fp32 [N] importance weights (HAS_IS)
     lse_ptr,  # fp32 [N] the policy rows' log-sum-exp over the whole vocabulary
     g_out_ptr,  # fp32 [1] d(output) / d(loss)
     g_ptr,  # out: gradient [N, V] in the logits' dtype (BF16_BITS: its int16 view), rows `stride_g` apart
-    T, V, stride_x, stride_g, lo, clip_lo, clip_hi, beta,
+    T, V, stride_x, stride_g, lo, clip_lo, clip_hi, beta, delta,
     inv,  # the inverse temperature, fp32 (SCALE)
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    BIAS_KL: tl.constexpr,
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops (round to nearest even, as torch does)
@@ -468,7 +485,7 @@ def _grad_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi, beta = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32), tl.cast(beta, tl.float32)
-    inv = tl.cast(inv, tl.float32)
+    inv, delta = tl.cast(inv, tl.float32), tl.cast(delta, tl.float32)
     g_row = g_ptr + row * stride_g
     cols = tl.arange(0, BLOCK)
     if tl.load(mask_ptr + row) != 0:
@@ -478,9 +495,20 @@ def _grad_kernel(
         adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
         ratio = exp(logp - tl.load(old_ptr + row))
         unclipped = ratio * adv
-        coef = tl.where(unclipped <= _min(_max(ratio, clip_lo), clip_hi) * adv, -unclipped, 0.0)
+        # the minimum's branch, and whether its clamp passes the ratio (+inf delta: the first branch's always does,
+        # and where the second is the smaller one it clamped the ratio)
+        taken = tl.where(_min(ratio, delta) * adv <= _min(_max(ratio, clip_lo), clip_hi) * adv, ratio <= delta,
+                         (ratio >= clip_lo) & (ratio <= clip_hi))
+        coef = tl.where(taken, -unclipped, 0.0)
+        if HAS_IS:
+            coef = coef * tl.load(is_ptr + row)
         if HAS_REF:
-            coef = coef + beta * (1.0 - exp(logp_ref - logp))
+            d = logp_ref - logp
+            e = exp(d)
+            dkl = 1.0 - e
+            if BIAS_KL:
+                dkl = (dkl + ((e - d) - 1.0)) * ratio
+            coef = coef + beta * dkl
         coef = (coef * tl.load(w_ptr + seq)) * tl.load(g_out_ptr)
         if SCALE:
             coef = coef * inv
@@ -561,10 +589,12 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.Tensor, mask: torch.Tensor,
                   ids: torch.Tensor, adv: torch.Tensor, rewards: torch.Tensor | None, vocab: int, clip_lo: float,
-                  clip_hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  clip_hi: float, delta: float | None = None, is_ratio: torch.Tensor | None = None,
+                  bias_kl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: fp32 `[3, B]` token sums (surrogate, KL, ratio) and int64 `[3, B]` (active tokens, bad-value
     flag, clipped tokens). `mask` is the completion mask as given; `adv` `[B]` or `[B, T]` (an advantage per
-    token), read only where an active token reads it; `rewards` (fp32 `[B]` or None) are checked."""
+    token), read only where an active token reads it; `rewards` (fp32 `[B]` or None) are checked; `delta`,
+    `is_ratio` (fp32 `[B, T]`) and `bias_kl` as in `canonical.clipped_surrogate` / `ratio_and_kl`."""
     B, T = mask.shape
     out = torch.empty(3, B, dtype=torch.float32, device=logp.device)
     ints = torch.empty(3, B, dtype=torch.int64, device=logp.device)
@@ -573,8 +603,10 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
     if B:
         _sequence_kernel[(B,)](logp.contiguous(), (logp_ref if logp_ref is not None else logp).contiguous(),
                                old.to(torch.float32).contiguous(), mask.contiguous(), ids.contiguous(),
-                               adv.contiguous(), rewards.contiguous() if rewards is not None else adv, out, ints, B, T,
-                               vocab, clip_lo, clip_hi, HAS_REF=logp_ref is not None, TOKEN_ADV=adv.dim() == 2,
+                               adv.contiguous(), rewards.contiguous() if rewards is not None else adv,
+                               logp if is_ratio is None else is_ratio.contiguous(), out, ints, B, T, vocab, clip_lo,
+                               clip_hi, math.inf if delta is None else delta, HAS_REF=logp_ref is not None,
+                               HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, TOKEN_ADV=adv.dim() == 2,
                                REWARDS=rewards is not None, CHECK_MASK=mask.dtype != torch.bool, BLOCK=block,
                                LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks), **_fp())
     return out, ints
@@ -615,9 +647,11 @@ def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: Toke
 def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torch.Tensor,
          logp_ref: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor, lse: torch.Tensor,
          grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float, inv: float = 1.0,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, delta: float | None = None, is_ratio: torch.Tensor | None = None,
+         bias_kl: bool = False) -> torch.Tensor:
     """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows); `adv` `[n]` or
-    `[n, T]`; `inv` the fp32 inverse temperature. `out`: `[n * T, V_local]` rows to write instead (any dtype and row
+    `[n, T]`; `inv` the fp32 inverse temperature; `delta`, `is_ratio` (fp32, a weight per token) and `bias_kl` as in
+    `canonical.token_coef`. `out`: `[n * T, V_local]` rows to write instead (any dtype and row
     stride; never the logits' own bytes: a program's threads do not read a row in step with its writes)."""
     x = _rows2d(policy)
     N, V = x.shape
@@ -627,8 +661,10 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
         pick(_GRAD, V, x.stride(0), g.stride(0))[(N,)](
             x, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), logp.contiguous(),
             (logp_ref if logp_ref is not None else logp).contiguous(), old.to(torch.float32).contiguous(),
-            adv.contiguous(), weights.contiguous(), lse.contiguous(), grad_loss.to(torch.float32).reshape(1),
-            g.view(torch.int16) if bf16_bits else g, mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi,
-            beta, inv, HAS_REF=logp_ref is not None, TOKEN_ADV=adv.dim() == 2, SCALE=inv != 1.0, BF16_BITS=bf16_bits,
+            adv.contiguous(), weights.contiguous(), logp if is_ratio is None else is_ratio.contiguous(),
+            lse.contiguous(), grad_loss.to(torch.float32).reshape(1), g.view(torch.int16) if bf16_bits else g,
+            mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi, beta,
+            math.inf if delta is None else delta, inv, HAS_REF=logp_ref is not None, HAS_IS=is_ratio is not None,
+            BIAS_KL=bias_kl, TOKEN_ADV=adv.dim() == 2, SCALE=inv != 1.0, BF16_BITS=bf16_bits,
             BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)), **_fp())
     return g.view(policy.shape)

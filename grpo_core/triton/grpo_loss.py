@@ -27,6 +27,7 @@ a device-side assert (`"assert"`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .. import pending
+from .. import canonical, pending
 from ..canonical import STD_EPS, STD_FLOOR
 from ..checks import loss_options
 from ..contract import FP32_MAX, AdvantageStd, TokenNormalizer, inverse_temperature
@@ -56,16 +57,19 @@ def _sequence_kernel(
     group_ptr,  # group of each sequence [B] int32 (not GIVEN)
     mask_ptr,  # completion mask [N], any dtype, nonzero = active
     ids_ptr,  # action ids [N]
+    is_ptr,  # importance weights [N] fp32 (HAS_IS)
     adv_ptr,  # out: the advantages the tokens read, fp32 [B] (TOKEN_ADV: [N], 0.0 at inactive tokens)
     seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL (SUMS)
     counts_ptr,  # out: int64 [B] = active tokens (mask set, id in range)
     flags_ptr,  # out: int32 [1 + B]; flags_ptr[1 + b] = 1 where a mask value is not 0 / 1, an id at an active
     # token is outside [0, V), a reward of the sequence's group, the advantage derived from them (its group's sum
     # or variance overflowed) or a given advantage that an active token reads is not finite, or (SUMS) an active
-    # token's old log-prob or log-probs are not finite
-    B, T, V, clip_low, clip_high, floor, eps,
+    # token's old log-prob or log-probs are not finite or its importance weight not finite and >= 0
+    B, T, V, clip_low, clip_high, delta, floor, eps,  # delta: +inf without one
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    BIAS_KL: tl.constexpr,  # the KL term times the ratio
     SUMS: tl.constexpr,
     CHECK_MASK: tl.constexpr,  # the mask is not bool: its values must be 0 or 1
     GIVEN: tl.constexpr,  # the advantages are given: no group statistics
@@ -75,7 +79,7 @@ def _sequence_kernel(
     BLOCK_G: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high = _f32(clip_low), _f32(clip_high)  # Inductor passes fp64 scalars
+    clip_low, clip_high, delta = _f32(clip_low), _f32(clip_high), _f32(delta)  # Inductor passes fp64 scalars
     N = B * T
     if GIVEN:
         bad_seq = 0
@@ -117,12 +121,20 @@ def _sequence_kernel(
             finite = (tl.abs(logp) < float("inf")) & (tl.abs(old) < float("inf"))  # false for NaN too
             ratio = tl.exp(tl.where(active, logp - old, 0.0))
             clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-            acc_policy += tl.where(active, -tl.minimum(ratio * a, clipped * a), 0.0)
+            policy = -tl.minimum(tl.minimum(ratio, delta) * a, clipped * a)
+            if HAS_IS:
+                w = tl.load(is_ptr + row, mask=active, other=0.0)
+                finite = finite & (w >= 0.0) & (w < float("inf"))
+                policy = policy * w
+            acc_policy += tl.where(active, policy, 0.0)
             if HAS_REF:
                 logp_ref = tl.load(out_ptr + N + row, mask=inside, other=0.0)
                 finite = finite & (tl.abs(logp_ref) < float("inf"))
                 d = tl.where(active, logp_ref - logp, 0.0)
-                acc_kl += tl.exp(d) - d - 1.0
+                kl = tl.exp(d) - d - 1.0
+                if BIAS_KL:
+                    kl = kl * ratio
+                acc_kl += kl
             bad = tl.maximum(bad, (active & ~finite).to(tl.int32))
     active_tokens = tl.sum(count.to(tl.int64), 0)
     if not TOKEN_ADV:
@@ -216,11 +228,13 @@ _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 
 def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high, beta, inv,
-             single_pass, means, denom, constant, ref_logps=None, grad=None):
+             single_pass, means, denom, constant, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
+             grad=None):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
     loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
     advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. `ref_logps` (fp32 `[B * T]`, in place of
-    `ref`): the reference's log-probs as given. Two-pass mode launches the row kernel
+    `ref`): the reference's log-probs as given; `delta` (+inf: none), `is_ratio` (fp32 `[B * T]`, 0.0 at masked
+    tokens, or None) and `bias_kl` as in `canonical.token_coef`. Two-pass mode launches the row kernel
     first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
     gradient (default: a new tensor)."""
     B, T, V = policy.shape
@@ -237,12 +251,15 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
 
     def rows_kernel():
         return launch_forward(launch, policy, ref, ids, mask, None, old, adv, weight,
-                              grad if single_pass else None, clip_low, clip_high, beta, inv, ref_logps)
+                              grad if single_pass else None, clip_low, clip_high, beta, inv, ref_logps, delta,
+                              is_ratio, bias_kl)
 
     def sequences(out, sums):
         launch(_sequence_kernel)[(B,)](
-            out, old, source, source if given else bounds, source if given else group_of, mask, ids, adv, seq, counts,
-            flags, B, T, V, clip_low, clip_high, STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None,
+            out, old, source, source if given else bounds, source if given else group_of, mask, ids,
+            old if is_ratio is None else is_ratio, adv, seq, counts, flags, B, T, V, clip_low, clip_high, delta,
+            STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None, HAS_IS=is_ratio is not None,
+            BIAS_KL=bias_kl,
             SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
             BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
@@ -259,22 +276,24 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
                  old: torch.Tensor, source: torch.Tensor, bounds: torch.Tensor | None, group_of: torch.Tensor | None,
                  std: int, clip_low: float, clip_high: float, beta: float, inv: float, single_pass: bool, means: bool,
-                 denom: str, constant: float, ref_logps: torch.Tensor | None
+                 denom: str, constant: float, ref_logps: torch.Tensor | None, delta: float,
+                 is_ratio: torch.Tensor | None, bias_kl: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [3, N], adv [B] or [B, T], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token
     log-probs, the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode
     `d loss / d policy` (else an empty tensor)."""
     return _forward(wrap_triton, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high,
-                    beta, inv, single_pass, means, denom, constant, ref_logps)
+                    beta, inv, single_pass, means, denom, constant, ref_logps, delta, is_ratio, bias_kl)
 
 
 @triton_op("grpo_core::grpo_backward", mutates_args={})
 def grpo_backward(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, old: torch.Tensor,
-                  adv: torch.Tensor, weight: torch.Tensor, grad_loss: torch.Tensor, clip_low: float, clip_high: float,
-                  beta: float, has_ref: bool, inv: float) -> torch.Tensor:
+                  adv: torch.Tensor, weight: torch.Tensor, is_ratio: torch.Tensor | None, grad_loss: torch.Tensor,
+                  clip_low: float, clip_high: float, beta: float, has_ref: bool, inv: float, delta: float,
+                  bias_kl: bool) -> torch.Tensor:
     """Two-pass backward: the gradient from a second stream over the policy rows."""
     return launch_grad(wrap_triton, policy, ids, mask, out, grad_loss.reshape(1), old, adv, weight, clip_low,
-                       clip_high, beta, has_ref, inv)
+                       clip_high, beta, has_ref, inv, delta, is_ratio, bias_kl)
 
 
 class _GRPOLoss(torch.autograd.Function):
@@ -282,21 +301,22 @@ class _GRPOLoss(torch.autograd.Function):
     second pass over the policy rows (two pass), scaled by `grad_output` in either case."""
 
     @staticmethod
-    def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, opts):
-        ctx.opts = opts
-        ctx.save_for_backward(policy, grad, ids, mask, out, old, adv, weight)
+    def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, is_ratio, opts):
+        ctx.opts = opts  # clip_low, clip_high, beta, has_ref, inv, delta, bias_kl
+        ctx.save_for_backward(policy, grad, ids, mask, out, old, adv, weight, is_ratio)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        policy, grad, ids, mask, out, old, adv, weight = ctx.saved_tensors
+        policy, grad, ids, mask, out, old, adv, weight, is_ratio = ctx.saved_tensors
         grad_loss = grad_loss.float().reshape(1)
         if grad.numel() == 0:  # two pass
-            args = (policy, ids, mask, out, old, adv, weight, grad_loss, *ctx.opts)
             if torch.compiler.is_compiling():
-                grad = grpo_backward(*args)
+                grad = grpo_backward(policy, ids, mask, out, old, adv, weight, is_ratio, grad_loss, *ctx.opts)
             else:
-                grad = launch_grad(lambda k: k, *args[:4], grad_loss, *args[4:7], *ctx.opts)
+                *clip, delta, bias_kl = ctx.opts
+                grad = launch_grad(lambda k: k, policy, ids, mask, out, grad_loss, old, adv, weight, *clip, delta,
+                                   is_ratio, bias_kl)
         elif torch.compiler.is_compiling():
             grad = grad * grad_loss.to(grad.dtype)
         else:  # scaled in place by a kernel that does nothing when grad_loss == 1: no device sync, no extra pass
@@ -304,7 +324,7 @@ class _GRPOLoss(torch.autograd.Function):
             if g.shape[0] > 0:
                 pick(_SCALE, g.shape[1], g.stride(0))[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0),
                                                                      BLOCK=block(g.shape[1]))
-        return (grad,) + (None,) * 9
+        return (grad,) + (None,) * 10
 
 
 class TritonGRPOLossOp:
@@ -332,14 +352,17 @@ class TritonGRPOLossOp:
                  advantage_std: AdvantageStd | str | None = None, temperature: float = 1.0,
                  advantages: torch.Tensor | None = None, loss_type: str | None = None,
                  max_completion_length: int | None = None, single_pass: bool = False, inplace: bool = False,
-                 check_values: str = "deferred", ref_logps: torch.Tensor | None = None
+                 check_values: str = "deferred", ref_logps: torch.Tensor | None = None, delta: float | None = None,
+                 use_bias_correction_kl: bool = False, importance_sampling_ratio: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, values=False, temperature=temperature, advantages=advantages,
-                         loss_type=loss_type, max_completion_length=max_completion_length, ref_logps=ref_logps)
+                         loss_type=loss_type, max_completion_length=max_completion_length, ref_logps=ref_logps,
+                         delta=delta, use_bias_correction_kl=use_bias_correction_kl,
+                         importance_sampling_ratio=importance_sampling_ratio)
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
@@ -355,8 +378,11 @@ class TritonGRPOLossOp:
             source, groups = advantages.detach().float().contiguous(), (None, None, 0)
         given_ref = None if ref_logps is None else flat(ref_logps.detach().float())  # read at active tokens only
         has_ref = ref_logits is not None or given_ref is not None
+        is_ratio = (None if importance_sampling_ratio is None else
+                    flat(canonical.given_logprobs(importance_sampling_ratio, o.mask)))  # 0.0 at masked tokens
+        delta = math.inf if o.delta is None else o.delta
         args = (ref_logits, action_ids, completion_mask, old, source, *groups, *clip, inv, single,
-                *finish_options(o.normalizer, o.constant, B), given_ref)
+                *finish_options(o.normalizer, o.constant, B), given_ref, delta, is_ratio, o.bias_kl)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
         elif torch.compiler.is_compiling():
@@ -366,9 +392,10 @@ class TritonGRPOLossOp:
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
                            out[1].view(B, T) if has_ref else None, advantages,
-                           None if advantages is not None else (o.groups, o.std), scalars[0], ref_logps)
+                           None if advantages is not None else (o.groups, o.std), scalars[0], ref_logps,
+                           importance_sampling_ratio)
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
-                                   (*clip, has_ref, inv))
+                                   is_ratio, (*clip, has_ref, inv, delta, o.bias_kl))
         return loss, policy_loss, kl

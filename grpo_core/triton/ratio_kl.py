@@ -15,6 +15,7 @@ kernels are those without it.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -110,14 +111,26 @@ def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF: tl.constex
 
 
 @triton.jit
-def _token_coef(logp, logp_ref, old, adv, weight, clip_low, clip_high, beta, HAS_REF: tl.constexpr):
-    """d loss / d logp of one token: `weight * (d policy / d logp + beta * d kl / d logp)`."""
+def _token_coef(logp, logp_ref, old, adv, weight, clip_low, clip_high, beta, delta, w_is, HAS_REF: tl.constexpr,
+                HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr):
+    """d loss / d logp of one token: `weight * (d policy / d logp + beta * d kl / d logp)`, the terms of
+    `canonical.token_coef` (`delta` +inf: none; `w_is`: the importance weight, HAS_IS; BIAS_KL: the KL times the
+    ratio)."""
     ratio = tl.exp(logp - old)
-    unclipped = ratio * adv
-    clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
-    coef = tl.where(unclipped <= clipped, -unclipped, 0.0)  # the clipped branch is flat in logp
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    clipped = tl.minimum(tl.maximum(ratio, lo), hi) * adv
+    # the minimum's branch, and whether its clamp passes the ratio
+    taken = tl.where(tl.minimum(ratio, delta) * adv <= clipped, ratio <= delta, (ratio >= lo) & (ratio <= hi))
+    coef = tl.where(taken, -(ratio * adv), 0.0)
+    if HAS_IS:
+        coef = coef * w_is
     if HAS_REF:
-        coef += beta * (1.0 - tl.exp(logp_ref - logp))
+        d = logp_ref - logp
+        e = tl.exp(d)
+        dkl = 1.0 - e
+        if BIAS_KL:
+            dkl = (dkl + ((e - d) - 1.0)) * ratio
+        coef += beta * dkl
     return coef * weight
 
 
@@ -190,12 +203,15 @@ def _logprob_fwd_kernel(
     old_ptr,  # old log-probs [N] fp32 (SINGLE_PASS)
     adv_ptr,  # advantages [N // T] fp32 (SINGLE_PASS; TOKEN_ADV: [N], one per token)
     w_ptr,  # normalizer weight per sequence [N // T] fp32 (SINGLE_PASS)
+    is_ptr,  # importance weights [N] fp32 (SINGLE_PASS and HAS_IS)
     g_ptr,  # out: gradient [N, V] in the logits dtype, rows `stride_g` apart (SINGLE_PASS)
     N, T, V,
     stride_x, stride_r, stride_g,
-    clip_low, clip_high, beta, inv,  # inv: the inverse temperature (SCALE)
+    clip_low, clip_high, beta, delta, inv,  # delta: +inf without one; inv: the inverse temperature (SCALE)
     # Meta-parameters
     HAS_REF: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    BIAS_KL: tl.constexpr,
     REF_ROWS: tl.constexpr,  # HAS_REF: the reference log-probs from its logits' rows, else as given in `r_ptr`
     SINGLE_PASS: tl.constexpr,
     TOKEN_ADV: tl.constexpr,
@@ -207,6 +223,7 @@ def _logprob_fwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     clip_low, clip_high, beta, inv = _f32(clip_low), _f32(clip_high), _f32(beta), _f32(inv)  # Inductor: fp64
+    delta = _f32(delta)
     active = tl.load(mask_ptr + row) != 0
     action = tl.load(ids_ptr + row).to(tl.int64)
     valid = (action >= 0) & (action < V)
@@ -232,8 +249,9 @@ def _logprob_fwd_kernel(
     if SINGLE_PASS:
         seq = row // T
         adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
+        w_is = tl.load(is_ptr + row) if HAS_IS else adv
         coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), adv, tl.load(w_ptr + seq), clip_low, clip_high,
-                           beta, HAS_REF)
+                           beta, delta, w_is, HAS_REF, HAS_IS, BIAS_KL)
         _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC_X, BLOCK)
 
 
@@ -246,12 +264,15 @@ def _logprob_grad_kernel(
     old_ptr,  # old log-probs [N] fp32 (GRPO coefficient)
     adv_ptr,  # advantages [N // T] fp32 (GRPO coefficient; TOKEN_ADV: [N], one per token)
     w_ptr,  # normalizer weight per sequence [N // T] fp32 (GRPO coefficient)
+    is_ptr,  # importance weights [N] fp32 (GRPO coefficient, HAS_IS)
     g_ptr,  # out: gradient [N, V], rows `stride_g` apart
     N, T, V, stride_x, stride_g,
-    clip_low, clip_high, beta, inv,  # inv: the inverse temperature (SCALE)
+    clip_low, clip_high, beta, delta, inv,  # delta: +inf without one; inv: the inverse temperature (SCALE)
     # Meta-parameters
     COEF_FROM_PTR: tl.constexpr,
     HAS_REF: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    BIAS_KL: tl.constexpr,
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     VEC: tl.constexpr,  # elements per 16 bytes of the logits and the gradient
@@ -259,6 +280,7 @@ def _logprob_grad_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     clip_low, clip_high, beta, inv = _f32(clip_low), _f32(clip_high), _f32(beta), _f32(inv)  # Inductor: fp64
+    delta = _f32(delta)
     action = tl.load(ids_ptr + row).to(tl.int64)
     active = (tl.load(mask_ptr + row) != 0) & (action >= 0) & (action < V)
     logp = tl.load(out_ptr + row)
@@ -268,8 +290,9 @@ def _logprob_grad_kernel(
     else:
         seq = row // T
         adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
+        w_is = tl.load(is_ptr + row) if HAS_IS else adv
         coef = _token_coef(logp, tl.load(out_ptr + N + row), tl.load(old_ptr + row), adv, tl.load(w_ptr + seq),
-                           clip_low, clip_high, beta, HAS_REF) * tl.load(coef_ptr)
+                           clip_low, clip_high, beta, delta, w_is, HAS_REF, HAS_IS, BIAS_KL) * tl.load(coef_ptr)
     _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC, BLOCK)
 
 
@@ -294,11 +317,13 @@ def block(V: int) -> int:
 
 
 def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
-                   clip_high=0.0, beta=0.0, inv=1.0, ref_logps=None) -> torch.Tensor:
+                   clip_high=0.0, beta=0.0, inv=1.0, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False
+                   ) -> torch.Tensor:
     """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one): per-token
     `[3, N]` log-probs of the logits times `inv` (the fp32 inverse temperature); `err [1]` (int32, zeroed by the
     caller; or None) is set to 1 when an active id is out of range. Single pass (`grad`): `adv` is `[B]` or `[B, T]`
-    (one per token). `ref_logps` (fp32 `[B, T]`, in place of `ref`): the reference's log-probs as given."""
+    (one per token), `delta` (+inf: none), `is_ratio` (fp32 `[N]` or None) and `bias_kl` as in
+    `canonical.token_coef`. `ref_logps` (fp32 `[B, T]`, in place of `ref`): the reference's log-probs as given."""
     x = rows(policy)
     r = rows(ref) if ref is not None else x
     given = flat(ref_logps) if ref_logps is not None else None
@@ -310,16 +335,17 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
         return out.zero_()
     launch(pick(_FWD, V, x.stride(0), r.stride(0), g.stride(0)))[(N,)](
         x, r if given is None else given, flat(ids), flat(mask), out, out if err is None else err,
-        flat(old) if single else out, flat(adv) if single else out, weight if single else out, g, N, policy.shape[1],
-        V, x.stride(0), r.stride(0), g.stride(0), clip_low, clip_high, beta, inv,
-        HAS_REF=ref is not None or given is not None, REF_ROWS=ref is not None, SINGLE_PASS=single,
+        flat(old) if single else out, flat(adv) if single else out, weight if single else out,
+        out if is_ratio is None else is_ratio, g, N, policy.shape[1], V, x.stride(0), r.stride(0), g.stride(0),
+        clip_low, clip_high, beta, delta, inv, HAS_REF=ref is not None or given is not None,
+        HAS_IS=single and is_ratio is not None, BIAS_KL=bias_kl, REF_ROWS=ref is not None, SINGLE_PASS=single,
         TOKEN_ADV=single and adv.dim() == 2, SCALE=inv != 1.0, FLAG_IDS=err is not None, VEC_X=16 // x.element_size(),
         VEC_R=16 // r.element_size(), BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
 def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight=None, clip_low=0.0, clip_high=0.0,
-                beta=0.0, has_ref=False, inv=1.0) -> torch.Tensor:
+                beta=0.0, has_ref=False, inv=1.0, delta=math.inf, is_ratio=None, bias_kl=False) -> torch.Tensor:
     """Second pass: the gradient `[B, T, V]` in the logits dtype. `coef` is per token `[B, T]`, or, with `old` /
     `adv` (`[B]` or `[B, T]`) / `weight`, the scalar `d loss / d loss` that scales the in-kernel GRPO coefficient;
     `inv`: the fp32 inverse temperature the forward scaled the logits by."""
@@ -331,8 +357,9 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
         return grad.view(policy.shape)
     launch(pick(_GRAD, V, x.stride(0), grad.stride(0)))[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old),
-        out if from_ptr else flat(adv), out if from_ptr else weight, grad, N, policy.shape[1], V, x.stride(0),
-        grad.stride(0), clip_low, clip_high, beta, inv, COEF_FROM_PTR=from_ptr, HAS_REF=has_ref,
+        out if from_ptr else flat(adv), out if from_ptr else weight, out if is_ratio is None else is_ratio, grad, N,
+        policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high, beta, delta, inv,
+        COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, HAS_IS=not from_ptr and is_ratio is not None, BIAS_KL=bias_kl,
         TOKEN_ADV=not from_ptr and adv.dim() == 2, SCALE=inv != 1.0, VEC=16 // x.element_size(), BLOCK=block(V),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return grad.view(policy.shape)
@@ -390,7 +417,8 @@ CHECKS = ("deferred", "sync", "assert")
 def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_logits, ref_logits, action_ids,
                        old_logps, rewards, completion_mask, beta: float, logp: torch.Tensor,
                        logp_ref: torch.Tensor | None, advantages: torch.Tensor | None = None,
-                       groups: tuple | None = None, loss: torch.Tensor | None = None, ref_logps=None) -> None:
+                       groups: tuple | None = None, loss: torch.Tensor | None = None, ref_logps=None,
+                       importance_sampling_ratio=None) -> None:
     """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward, given advantage or old log-prob
     is bad, a log-prob is not finite, or, with `groups` = `(CSR bounds, advantage std)`, an advantage derived from
     the rewards is not finite, or the `loss` is not finite) into the native op's `LossContractError`, by `check_values`:
@@ -406,13 +434,14 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
                                       "the precise error)")
         return
     # What the precise check reads; the logits only lend their shape, dtype and device.
-    kept = [None if t is None else t.detach()
-            for t in (action_ids, old_logps, rewards, completion_mask, advantages, ref_logps)]
+    kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages,
+                                                        ref_logps, importance_sampling_ratio)]
     logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy_logits, ref_logits)]
 
     def recheck() -> None:
         mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=beta,
-                            rewards_required=rewards is not None, advantages=kept[4], ref_logps=kept[5])
+                            rewards_required=rewards is not None, advantages=kept[4], ref_logps=kept[5],
+                            importance_sampling_ratio=kept[6])
         check_logprobs(logp, logp_ref, mask)
         if groups is not None:
             r = kept[2].to(torch.float32)
