@@ -1,4 +1,4 @@
-"""Accuracy of the canonical exp, log and sqrt over every fp32 input of each range, against float64.
+"""Accuracy of the canonical exp, log, sqrt and sigmoid over every fp32 input of each range, against float64.
 
 Subnormal inputs and results are outside the ranges: the canonical functions flush them to 0.
 
@@ -74,6 +74,8 @@ def main() -> None:
     scan("exp", canonical.exp, torch.exp, -87.33654, 88.72283, a.step)
     scan("log", canonical.log, torch.log, canonical.TINY, big, a.step)
     scan("sqrt", canonical.sqrt, torch.sqrt, canonical.TINY, big, a.step)
+    # sigmoid: every input whose result is a normal float below 1 - 2**-25 (above it the exact value rounds to 1)
+    scan("sigm", canonical.sigmoid, torch.sigmoid, -87.33654, 17.32868, a.step)
     # Edges: below the normal range exp is 0, above it inf; exp(0) is exactly 1.
     edge = torch.tensor([float("-inf"), -1e4, -87.34, 0.0, -0.0, 88.73, 1e4, float("inf")])
     print("exp edges", dict(zip(edge.tolist(), canonical.exp(edge).tolist())))

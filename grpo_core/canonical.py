@@ -4,9 +4,10 @@ Every float operation here is one that IEEE 754 specifies exactly and that every
 Triton kernel performs the same way: `+ - * /` on fp32, each rounded on its own (no contraction), the fused
 multiply-add where it is written (`fma`: one rounding, the GPU's instruction, emulated exactly on the CPU),
 comparisons, max / min, select, conversions between float formats and exact integer operations on a float's bit
-pattern. exp, log and sqrt are built from those (`exp`, `log`, `sqrt` below; their accuracy is measured over
-every fp32 input by `benchmarks/canonical_accuracy.py`). Every float sum is a fixed pairwise tree (`pair_sum`) whose
-shape depends only on the extent summed, never on the number of rows, threads, ranks or the device.
+pattern. exp, log and sqrt are built from those (`exp`, `log`, `sqrt` below), and the sigmoid from exp; their
+accuracy is measured over every fp32 input by `benchmarks/canonical_accuracy.py`. Every float sum is a fixed
+pairwise tree (`pair_sum`) whose shape depends only on the extent summed, never on the number of rows, threads,
+ranks or the device.
 
 Rules that keep the bits portable, relied on throughout:
 - constants are exact fp32 values (hex literals), and scalars from the contract become fp32 tensors
@@ -27,7 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .contract import FP32_MAX, AdvantageStd, TokenNormalizer
+from .contract import FP32_MAX, AdvantageStd, Surrogate, TokenNormalizer
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
 TINY = float.fromhex("0x1p-126")  # the smallest normal fp32
@@ -133,6 +134,13 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
         sig = sig + ((2 * sig + 1) ** 2 <= four_m).to(I64)
         sig = sig - ((2 * sig - 1) ** 2 >= four_m).to(I64)
     return torch.where(x == 0, 0.0, torch.where(x <= FP32_MAX, sig.to(F32) * _pow2(q.to(I32)), x))
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """The logistic function of fp32 `x` from the canonical `exp`: `t = exp(-|x|)`, then `1 / (1 + t)` for `x >= 0`
+    and `t / (1 + t)` below (IEEE division; -inf gives 0, inf 1, NaN NaN)."""
+    t = exp(-x.abs())
+    return torch.where(x >= 0, torch.ones_like(t), t) / (1.0 + t)
 
 
 def pair_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -300,9 +308,27 @@ def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: t
     return ratio, kl * ratio if bias_kl else kl
 
 
-def clip_bounds(clip_eps: float, clip_eps_high: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(fp32(1 - clip_eps), fp32(1 + clip_eps_high))`: computed in Python (double), rounded once."""
-    return fp32(1.0 - clip_eps, like), fp32(1.0 + clip_eps_high, like)
+def bounds(clip_eps: float, clip_eps_high: float, surrogate: Surrogate = Surrogate.CLIPPED) -> tuple[float, float]:
+    """The ratio's bounds `(lo, hi)` in Python (double): `(1 - clip_eps, 1 + clip_eps_high)` for the clipped
+    surrogate; CISPO's `(0, clip_eps_high)` (its upper clamp, as TRL and Liger); SAPO clips nothing, `(0, inf)`.
+    `clipped_tokens` counts the tokens beyond them (no ratio is below 0)."""
+    if surrogate is Surrogate.CISPO:
+        return 0.0, clip_eps_high
+    if surrogate is Surrogate.SAPO:
+        return 0.0, float("inf")
+    return 1.0 - clip_eps, 1.0 + clip_eps_high
+
+
+def clip_bounds(clip_eps: float, clip_eps_high: float, like: torch.Tensor,
+                surrogate: Surrogate = Surrogate.CLIPPED) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bounds(...)` as fp32 0-d tensors: computed in Python (double), rounded once."""
+    lo, hi = bounds(clip_eps, clip_eps_high, surrogate)
+    return fp32(lo, like), fp32(hi, like)
+
+
+def _tau(adv: torch.Tensor, taus: tuple[float, float]) -> torch.Tensor:
+    """SAPO's temperature per token: `fp32(taus[0])` where `A > 0`, else `fp32(taus[1])`."""
+    return torch.where(adv > 0, fp32(taus[0], adv), fp32(taus[1], adv))
 
 
 def _per_token(advantages: torch.Tensor) -> torch.Tensor:
@@ -317,14 +343,23 @@ def used_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
-                      hi: torch.Tensor, delta: float | None = None, is_ratio: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+                      hi: torch.Tensor, delta: float | None = None, is_ratio: torch.Tensor | None = None,
+                      surrogate: Surrogate = Surrogate.CLIPPED, logp: torch.Tensor | None = None,
+                      taus: tuple[float, float] | None = None, sigmoid=sigmoid) -> torch.Tensor:
     """Per-token `-min(ratio * A, clamp(ratio, lo, hi) * A)`, exactly 0.0 on masked tokens; `A` is `[S]` or
     `[S, T]`. `delta` (TRL's two-sided clipping): `min(ratio, fp32(delta)) * A` in the first branch; `is_ratio`
-    (fp32 `[S, T]`, `given_logprobs`): the rollout's importance weights, multiplied into the term."""
+    (fp32 `[S, T]`, `given_logprobs`): the rollout's importance weights, multiplied into the term. CISPO:
+    `-((sg(min(ratio, hi)) * A) * logp)`; SAPO: `-(((sigmoid(tau * (ratio - 1)) * 4) / tau) * A)` with `tau` of
+    `taus` by the sign of `A`."""
     adv = _per_token(advantages)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=fp32(delta, ratio))
-    policy = -torch.minimum(unclipped * adv, torch.clamp(ratio, lo, hi) * adv)
+    if surrogate is Surrogate.CISPO:
+        policy = -((torch.minimum(ratio, hi).detach() * adv) * logp)
+    elif surrogate is Surrogate.SAPO:
+        tau = _tau(adv, taus)
+        policy = -(((sigmoid(tau * (ratio - 1.0)) * 4.0) / tau) * adv)
+    else:
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=fp32(delta, ratio))
+        policy = -torch.minimum(unclipped * adv, torch.clamp(ratio, lo, hi) * adv)
     if is_ratio is not None:
         policy = policy * is_ratio
     return torch.where(mask, policy, 0.0)
@@ -332,23 +367,30 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
 
 def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None, advantages: torch.Tensor,
                weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, beta: float,
-               delta: float | None = None, is_ratio: torch.Tensor | None = None, bias_kl: bool = False
-               ) -> torch.Tensor:
+               delta: float | None = None, is_ratio: torch.Tensor | None = None, bias_kl: bool = False,
+               surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None) -> torch.Tensor:
     """`d loss / d logp` per token `[S, T]` (before `grad_output`): `(dpolicy + beta * dkl) * weight`, where the
     surrogate's derivative is `-ratio * A` where the unclipped branch is the minimum (ties included) and 0 where
     the clipped one is; with `delta`, `-ratio * A` where the minimum's branch passes the ratio through its clamp
     (`ratio <= fp32(delta)`, or `lo <= ratio <= hi`), else 0; times `is_ratio` when given. The k3 KL's is
     `1 - exp(d)`, `d = logp_ref - logp`, or with `bias_kl` (the KL times the ratio) `((1 - exp(d)) + kl) * ratio`.
-    0.0 on masked tokens. `A`: `[S]` or `[S, T]`. The caller multiplies by `grad_output`, then by `fp32(1 / temperature)` when it is not 1."""
+    CISPO: `-(min(ratio, hi) * A)` (its weight is a constant); SAPO: `-((((s * (1 - s)) * 4) * ratio) * A)`,
+    `s = sigmoid(tau * (ratio - 1))`. 0.0 on masked tokens. `A`: `[S]` or `[S, T]`. The caller multiplies by
+    `grad_output`, then by `fp32(1 / temperature)` when it is not 1."""
     adv = _per_token(advantages)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, lo, hi) * adv
-    if delta is None:
-        taken = unclipped <= clipped
-    else:  # the minimum's branch, and whether its clamp passes the ratio (bounds included)
-        d = fp32(delta, ratio)
-        taken = torch.where(torch.minimum(ratio, d) * adv <= clipped, ratio <= d, (ratio >= lo) & (ratio <= hi))
-    coef = torch.where(taken, -unclipped, 0.0)
+    if surrogate is Surrogate.CISPO:
+        coef = -(torch.minimum(ratio, hi) * adv)
+    elif surrogate is Surrogate.SAPO:
+        s = sigmoid(_tau(adv, taus) * (ratio - 1.0))
+        coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)
+    else:
+        unclipped, clipped = ratio * adv, torch.clamp(ratio, lo, hi) * adv
+        if delta is None:
+            taken = unclipped <= clipped
+        else:  # the minimum's branch, and whether its clamp passes the ratio (bounds included)
+            d = fp32(delta, ratio)
+            taken = torch.where(torch.minimum(ratio, d) * adv <= clipped, ratio <= d, (ratio >= lo) & (ratio <= hi))
+        coef = torch.where(taken, -unclipped, 0.0)
     if is_ratio is not None:
         coef = coef * is_ratio
     if logp_ref is not None:

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from .contract import (AdvantagesInput, AdvantageStd, GRPOLossContract, LossContractError, TokenNormalizer,
-                       check_groups, check_max_length_product, check_no_groups, check_options, normalizer_value)
+from .contract import (AdvantagesInput, AdvantageStd, GRPOLossContract, LossContractError, Surrogate, TokenNormalizer,
+                       check_groups, check_max_length_product, check_no_groups, check_options, normalizer_value,
+                       surrogate_of)
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SHOWN = 8  # how many bad positions an error lists
@@ -104,7 +105,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     float32) at active tokens (a sequence's advantage where it has one), and so must given `ref_logps`; masked
     positions may hold anything (padding ids, NaN). `importance_sampling_ratio` (optional): the rollout engine's
     importance weights, `[B, T]` or `[B, 1]` (one per sequence), finite and >= 0 where an active token reads them.
-    `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes `check_inputs(..., values=True)` when its kernels flag bad values.
+    `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes
+    `check_inputs(..., values=True)` when its kernels flag bad values.
     """
     for name, t, optional in (("policy_logits", policy_logits, False), ("ref_logits", ref_logits, True),
                               ("ref_logps", ref_logps, True),
@@ -294,24 +296,31 @@ class LossOptions:
     advantages_input: AdvantagesInput = AdvantagesInput.REWARDS
     delta: float | None = None  # None: no upper clamp of the unclipped ratio
     bias_kl: bool = False  # the KL term times the ratio (TRL's use_bias_correction_kl)
+    surrogate: Surrogate = Surrogate.CLIPPED
+    taus: tuple[float, float] | None = None  # SAPO's temperatures (positive, negative advantages)
 
     @classmethod
     def of(cls, contract: GRPOLossContract, mask: torch.Tensor) -> LossOptions:
+        taus = None if contract.sapo_temperature_pos is None else (contract.sapo_temperature_pos,
+                                                                   contract.sapo_temperature_neg)
         return cls(mask, contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
-                   contract.advantages_input, contract.delta, contract.use_bias_correction_kl)
+                   contract.advantages_input, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
+                   taus)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                  samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant, advantage_std,
                  values: bool = True, *, temperature: Any = 1.0, advantages: Any = None, loss_type: Any = None,
                  max_completion_length: Any = None, ref_logps: Any = None, delta: Any = None,
-                 use_bias_correction_kl: Any = False, importance_sampling_ratio: Any = None) -> LossOptions:
+                 use_bias_correction_kl: Any = False, importance_sampling_ratio: Any = None,
+                 sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None) -> LossOptions:
     """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                       normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
                       loss_type=loss_type, max_completion_length=max_completion_length,
-                      rewards_input=advantages is None, delta=delta, use_bias_correction_kl=use_bias_correction_kl)
+                      rewards_input=advantages is None, delta=delta, use_bias_correction_kl=use_bias_correction_kl,
+                      sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
                         values=values, rewards_required=True, advantages=advantages, ref_logps=ref_logps,
                         importance_sampling_ratio=importance_sampling_ratio)
@@ -327,4 +336,7 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
     return LossOptions(mask, o["clip_eps"], o["clip_eps_high"], o["beta"], groups, o["advantage_std"],
                        o["normalizer"], normalizer_value(o["normalizer"], o["normalizer_constant"],
                                                          o["max_completion_length"], T),
-                       o["temperature"], advantages_kind(advantages), o["delta"], o["use_bias_correction_kl"])
+                       o["temperature"], advantages_kind(advantages), o["delta"], o["use_bias_correction_kl"],
+                       surrogate_of(loss_type),
+                       None if o["sapo_temperature_pos"] is None else (o["sapo_temperature_pos"],
+                                                                       o["sapo_temperature_neg"]))

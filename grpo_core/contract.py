@@ -35,6 +35,7 @@ __all__ = [
     "LogprobContract",
     "LossContractError",
     "ShardingSpec",
+    "Surrogate",
     "TokenNormalizer",
 ]
 
@@ -58,10 +59,24 @@ class TokenNormalizer(str, enum.Enum):
     SEQUENCES_TIMES_MAX_LENGTH = "sequences_times_max_length"  # sum / (sequences * max length) (TRL: dr_grpo)
 
 
-# TRL's and Liger's `loss_type` names: another spelling of the token normalizer. (TRL's `cispo`, `sapo` and
-# `luspo` change the per-token loss itself, which this op does not compute.)
+class Surrogate(str, enum.Enum):
+    """The per-token policy term, by TRL's and Liger's `loss_type`."""
+
+    CLIPPED = "clipped"  # -min(r A, clamp(r, 1 - clip_eps, 1 + clip_eps_high) A): grpo, bnpo, dr_grpo, dapo
+    CISPO = "cispo"  # -sg(min(r, clip_eps_high)) A logp: the ratio clamped at clip_eps_high itself, as TRL and Liger
+    SAPO = "sapo"  # -sigmoid(tau (r - 1)) (4 / tau) A, tau = sapo_temperature_pos if A > 0 else sapo_temperature_neg
+
+
+# TRL's and Liger's `loss_type` names: the token normalizer, and the per-token term where it is not the clipped
+# surrogate. (TRL's `luspo` and `vespo` are not computed.)
 LOSS_TYPES = {"grpo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, "bnpo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
-              "dr_grpo": TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH, "dapo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS}
+              "dr_grpo": TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH, "dapo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
+              "cispo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS, "sapo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN}
+SAPO_TEMPERATURES = (1.0, 1.05)  # TRL's and Liger's defaults (positive, negative advantages)
+
+
+def surrogate_of(loss_type: str | None) -> Surrogate:
+    return Surrogate.CISPO if loss_type == "cispo" else Surrogate.SAPO if loss_type == "sapo" else Surrogate.CLIPPED
 
 
 class AdvantageStd(str, enum.Enum):
@@ -309,6 +324,8 @@ class GRPOLossContract:
     max_completion_length: int | None = None  # dr_grpo's length (None: padded_seq_len)
     delta: float | None = None  # TRL's two-sided clipping: the unclipped ratio is clamped above at fp32(delta)
     use_bias_correction_kl: bool = False  # TRL's: each token's k3 KL term is multiplied by its ratio
+    sapo_temperature_pos: float | None = None  # loss_type 'sapo' only (None: 1.0)
+    sapo_temperature_neg: float | None = None  # loss_type 'sapo' only (None: 1.05)
     sharding: ShardingSpec | None = None  # None: a single process
     determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
     vocab_tile: int = DEFAULT_VOCAB_TILE
@@ -325,7 +342,9 @@ class GRPOLossContract:
                                 advantage_std=self.advantage_std, temperature=self.temperature,
                                 loss_type=self.loss_type, max_completion_length=self.max_completion_length,
                                 rewards_input=kind is AdvantagesInput.REWARDS, delta=self.delta,
-                                use_bias_correction_kl=self.use_bias_correction_kl)
+                                use_bias_correction_kl=self.use_bias_correction_kl,
+                                sapo_temperature_pos=self.sapo_temperature_pos,
+                                sapo_temperature_neg=self.sapo_temperature_neg)
         for name, value in options.items():
             _set(self, name, value)
         _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
@@ -385,6 +404,11 @@ class GRPOLossContract:
         return tuple(range(0, self.num_sequences + 1, self.samples_per_prompt))
 
     @property
+    def surrogate(self) -> Surrogate:
+        """The per-token policy term `loss_type` names (the clipped surrogate unless 'cispo' or 'sapo')."""
+        return surrogate_of(self.loss_type)
+
+    @property
     def normalizer_value(self) -> float | None:
         """The constant of the normalizer (`canonical.normalize`'s `constant`): `normalizer_constant` for
         fixed_constant, the max completion length for sequences_times_max_length, else None."""
@@ -407,6 +431,10 @@ class GRPOLossContract:
             extra["delta"] = self.delta.hex()
         if self.use_bias_correction_kl:
             extra["use_bias_correction_kl"] = True
+        if self.surrogate is not Surrogate.CLIPPED:
+            extra["surrogate"] = self.surrogate.value
+        if self.surrogate is Surrogate.SAPO:
+            extra["sapo_temperatures"] = [self.sapo_temperature_pos.hex(), self.sapo_temperature_neg.hex()]
         return {**extra,
             "math_version": MATH_VERSION,
             "num_sequences": self.num_sequences,
@@ -483,16 +511,20 @@ def check_no_groups(samples_per_prompt: Any, group_boundaries: Any) -> None:
 
 def resolve_normalizer(loss_type: Any, normalizer: Any) -> TokenNormalizer:
     """The token normalizer named by `normalizer` or by TRL's / Liger's `loss_type` (two spellings of one choice:
-    give one, or both when they agree); neither: global_active_tokens."""
+    give one, or both when they agree); neither: global_active_tokens. 'cispo' and 'sapo' also name a per-token term:
+    with them a `normalizer` given replaces the one they name (TRL divides cispo by the generation batch's tokens,
+    `normalizer='fixed_constant'` across micro-batches)."""
     if loss_type is None:
         if normalizer is None:
             return TokenNormalizer.GLOBAL_ACTIVE_TOKENS
         return check_enum(TokenNormalizer, "normalizer", normalizer)
     if not isinstance(loss_type, str) or loss_type not in LOSS_TYPES:
         allowed = ", ".join(repr(name) for name in LOSS_TYPES)
-        raise LossContractError(f"loss_type: expected one of {allowed}, got {loss_type!r} (TRL's 'cispo', 'sapo' and "
-                                f"'luspo' change the per-token loss, which this op does not compute)")
+        raise LossContractError(f"loss_type: expected one of {allowed}, got {loss_type!r} (TRL's 'luspo' and 'vespo' "
+                                f"are not computed)")
     named = LOSS_TYPES[loss_type]
+    if normalizer is not None and surrogate_of(loss_type) is not Surrogate.CLIPPED:
+        return check_enum(TokenNormalizer, "normalizer", normalizer)
     if normalizer is not None and check_enum(TokenNormalizer, "normalizer", normalizer) is not named:
         raise LossContractError(f"loss_type / normalizer: loss_type={loss_type!r} is normalizer={named.value!r}, but "
                                 f"normalizer={TokenNormalizer(normalizer).value!r} was given too; pass one of them")
@@ -565,8 +597,8 @@ def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> flo
 
 def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: Any, normalizer_constant: Any,
                   advantage_std: Any, temperature: Any = 1.0, loss_type: Any = None, max_completion_length: Any = None,
-                  rewards_input: bool = True, delta: Any = None, use_bias_correction_kl: Any = False
-                  ) -> dict[str, Any]:
+                  rewards_input: bool = True, delta: Any = None, use_bias_correction_kl: Any = False,
+                  sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None) -> dict[str, Any]:
     """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
     name (`clip_eps_high=None` becomes `clip_eps`; `normalizer` is resolved with `loss_type`; `advantage_std`
     None becomes population when the op takes rewards, `rewards_input`; `delta` None: no upper clamp). Every float
@@ -582,10 +614,29 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
     if delta is not None and not FP32_TINY <= to_fp32(float(delta)) <= FP32_MAX:  # NaN fails too
         raise LossContractError(f"delta: expected a float > 0 that is a finite normal float32 (about 1.18e-38 to "
                                 f"3.40e+38; the unclipped ratio is clamped at it), got {delta!r}")
+    surrogate = surrogate_of(loss_type)
+    if delta is not None and surrogate is not Surrogate.CLIPPED:
+        raise LossContractError(f"delta: only used with the clipped surrogate, got delta={delta!r} with "
+                                f"loss_type={loss_type!r} (TRL and Liger ignore it there)")
+    taus = []
+    for name, value, default in (("sapo_temperature_pos", sapo_temperature_pos, SAPO_TEMPERATURES[0]),
+                                 ("sapo_temperature_neg", sapo_temperature_neg, SAPO_TEMPERATURES[1])):
+        if surrogate is not Surrogate.SAPO:
+            if value is not None:
+                raise LossContractError(f"{name}: only used with loss_type='sapo', got {value!r} with "
+                                        f"loss_type={loss_type!r}")
+            taus.append(None)
+            continue
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                FP32_TINY <= to_fp32(float(value)) <= FP32_MAX):
+            raise LossContractError(f"{name}: expected a float > 0 that is a finite normal float32, got {value!r}")
+        taus.append(float(value))
     if not isinstance(use_bias_correction_kl, bool):
         raise LossContractError(f"use_bias_correction_kl: expected a bool, got {type(use_bias_correction_kl).__name__}"
                                 f" {use_bias_correction_kl!r}")
     return dict(delta=None if delta is None else float(delta), use_bias_correction_kl=use_bias_correction_kl,
+                sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1],
                 clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),
                 max_completion_length=check_max_completion_length(normalizer, max_completion_length),

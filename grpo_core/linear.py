@@ -49,7 +49,7 @@ import torch.distributed as dist
 from . import canonical
 from .checks import check_derived_advantages, check_inputs, check_loss, check_tensor, stand_in
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
-                       check_temperature, inverse_temperature)
+                       Surrogate, check_temperature, inverse_temperature)
 from .distributed.grpo_loss import gather_sequences
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -100,7 +100,8 @@ class TorchKernels:
         ratio, _ = canonical.ratio_and_kl(logp.unsqueeze(1), None, old.unsqueeze(1), one)
         coef = canonical.token_coef(ratio, logp.unsqueeze(1), None if logp_ref is None else logp_ref.unsqueeze(1),
                                     adv, w, one, lo_t, hi_t, c.beta, c.delta,
-                                    None if c.is_ratio is None else c.is_ratio.unsqueeze(1), c.bias_kl)
+                                    None if c.is_ratio is None else c.is_ratio.unsqueeze(1), c.bias_kl, c.surrogate,
+                                    c.taus)
         if inv != 1.0:
             coef = coef * canonical.fp32(inv, coef)
         out = torch.empty(z.shape, dtype=dtype, device=z.device)
@@ -145,7 +146,8 @@ class TritonKernels:
         V = z.shape[1]
         out = torch.empty((z.shape[0], -(-V // 8) * 8), dtype=dtype, device=z.device)[:, :V]
         return self.rows.grad(z, ids, mask.unsqueeze(1), logp, logp_ref, old, adv, w, lse, one, lo, c.clip_lo,
-                              c.clip_hi, c.beta, inv, out=out, delta=c.delta, is_ratio=c.is_ratio, bias_kl=c.bias_kl)
+                              c.clip_hi, c.beta, inv, out=out, delta=c.delta, is_ratio=c.is_ratio, bias_kl=c.bias_kl,
+                              surrogate=c.surrogate, taus=c.taus)
 
     def dhidden(self, dz, w, acc, width):  # TP shards start on tiles: a K step that divides the tile width
         return self.mm(dz, w, acc, accumulate=True, block_k=min(width, 64))
@@ -252,6 +254,8 @@ class _CoefInputs:
     beta: float
     delta: float | None
     bias_kl: bool
+    surrogate: Surrogate
+    taus: tuple[float, float] | None
 
     def chunk(self, start: int, stop: int) -> _CoefInputs:
         """The options, and the importance weights of the chunk's tokens."""
@@ -430,7 +434,9 @@ class LinearGRPOLossOp:
             adv = canonical.used_advantages(given, mask)
         adv_tok = adv[seq_of] if adv.dim() == 1 else adv.reshape(-1)[rows]
         inv = inverse_temperature(contract.temperature)
-        clip_lo, clip_hi = 1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high
+        clip_lo, clip_hi = canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate)
+        taus = None if contract.sapo_temperature_pos is None else (contract.sapo_temperature_pos,
+                                                                   contract.sapo_temperature_neg)
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
@@ -447,7 +453,8 @@ class LinearGRPOLossOp:
             old_tok = None if old_logps is None else old_logps.detach().reshape(-1)[rows].float()
             inputs = _CoefInputs(old_tok, adv_tok, w_tok[seq_of], given_ref,
                                  None if is_ratio is None else is_ratio.reshape(-1)[rows], clip_lo, clip_hi,
-                                 contract.beta, contract.delta, contract.use_bias_correction_kl)
+                                 contract.beta, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
+                                 taus)
 
             def zeros(t: torch.Tensor | None, shape, dtype) -> torch.Tensor | None:
                 return torch.zeros(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
@@ -470,11 +477,11 @@ class LinearGRPOLossOp:
         flags = gather_sequences(torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(
             0, seq_of, bad.long()), contract, dp_group)
 
-        lo_t, hi_t = canonical.clip_bounds(contract.clip_eps, contract.clip_eps_high, old)
+        lo_t, hi_t = canonical.fp32(clip_lo, old), canonical.fp32(clip_hi, old)
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
         sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta,
-                                                                        is_ratio)),
+                                                                        is_ratio, contract.surrogate, logp, taus)),
                             self._token_sum(kl_tok), local_ratio])
         sums = gather_sequences(sums.T, contract, dp_group).T
         clipped = gather_sequences(local_clipped, contract, dp_group)
@@ -532,7 +539,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                      loss_type: str | None = None, max_completion_length: int | None = None,
                      advantage_std: Any = None, vocab_tile: int = DEFAULT_VOCAB_TILE,
                      kernels: str = "auto", delta: float | None = None, use_bias_correction_kl: bool = False,
-                     importance_sampling_ratio: torch.Tensor | None = None) -> GRPOLossResult:
+                     importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
+                     sapo_temperature_neg: float | None = None) -> GRPOLossResult:
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
     make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
     `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
@@ -547,7 +555,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
         normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
         advantages_input=kind, loss_type=loss_type, max_completion_length=max_completion_length,
         vocab_tile=vocab_tile, determinism_scope="topology_invariant", delta=delta,
-        use_bias_correction_kl=use_bias_correction_kl)
+        use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg)
     return LinearGRPOLossOp(kernels).apply(hidden, weight, action_ids, old_logps, rewards, contract=contract,
                                            completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
                                            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,

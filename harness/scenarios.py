@@ -43,6 +43,8 @@ class Scenario:
     delta: float | None = None
     bias_kl: bool = False  # the KL term times the ratio (use_bias_correction_kl)
     is_ratio: str = ""  # importance sampling weights: "token" [S, T], "sequence" [S, 1], or "" (none)
+    loss_type: str | None = None  # 'cispo' or 'sapo': their per-token terms (with the normalizer they name)
+    taus: tuple[float, float] | None = None  # SAPO's temperatures (None: TRL's defaults)
 
     @property
     def linear(self) -> bool:
@@ -62,7 +64,9 @@ class Scenario:
             clip_eps=self.clip[0], clip_eps_high=self.clip[1], beta=self.beta, normalizer=self.normalizer,
             normalizer_constant=self.normalizer_constant, advantage_std=self.advantage_std, sharding=sharding,
             temperature=self.temperature, determinism_scope="topology_invariant", delta=self.delta,
-            use_bias_correction_kl=self.bias_kl, **self.groups)
+            use_bias_correction_kl=self.bias_kl, loss_type=self.loss_type,
+            **({} if self.taus is None else dict(zip(("sapo_temperature_pos", "sapo_temperature_neg"), self.taus))),
+            **self.groups)
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
         """Global inputs on the CPU (the same bits on every platform)."""
@@ -161,6 +165,10 @@ SCENARIOS = {s.name: s for s in [
              advantage_std="unbiased_eps", groups={"group_boundaries": (0, 2, 5, 8)}),
     Scenario("token_options_bf16", vocab=1031, seed=15, dtype="bfloat16", clip=(0.2, 0.28), delta=1.1, bias_kl=True,
              is_ratio="token"),
+    Scenario("cispo_bf16", vocab=1031, seed=17, dtype="bfloat16", loss_type="cispo", clip=(0.2, 1.1),
+             is_ratio="sequence"),
+    Scenario("sapo_csr", vocab=1000, seed=18, loss_type="sapo", normalizer="per_sequence_then_batch_mean",
+             taus=(0.8, 1.6), bias_kl=True, groups={"group_boundaries": (0, 3, 5, 8)}, empty=(4,)),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),

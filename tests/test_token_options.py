@@ -1,8 +1,9 @@
-"""TRL's `delta` (two-sided clipping), `use_bias_correction_kl` (the KL term times the ratio) and the rollout's
-importance sampling ratio (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`; `[B, T]` or `[B, 1]`) on
-every backend: the fast paths against TRL 1.16's formulas in float64, the deterministic path's two kernel sets
-bitwise against each other, and the same errors for bad values everywhere. (The harness runs them at every TP x DP
-layout against the goldens: scenarios `token_options_bf16` and `linear_token_options`.)"""
+"""TRL's per-token options on every backend: `delta` (two-sided clipping), `use_bias_correction_kl` (the KL term
+times the ratio), the rollout's importance sampling ratio (TRL's `importance_sampling_ratio`, Liger's
+`vllm_is_ratio`; `[B, T]` or `[B, 1]`) and the loss types `cispo` and `sapo` (with its temperatures): the fast paths
+against TRL 1.16's formulas in float64, the deterministic path's two kernel sets bitwise against each other, and the
+same errors for bad values everywhere. (The harness runs them at every TP x DP layout against the goldens: scenarios
+`token_options_bf16`, `linear_token_options`, `cispo_bf16` and `sapo_csr`.)"""
 
 from __future__ import annotations
 
@@ -17,10 +18,15 @@ from grpo_core.linear import linear_grpo_loss
 DEV = "cuda" if HAS_CUDA else "cpu"
 B, T, V, H = 4, 6, 37, 16
 LO, HI = 0.2, 0.28
-# (delta, use_bias_correction_kl, importance weights): delta 1.05 < 1 + 0.28 makes the clipped branch the minimum
-# where it passes the ratio through (its gradient is not zero there); 1.3 sits above the clip range
-CASES = [(1.05, False, "token"), (1.3, True, "sequence"), (None, True, None), (1.1, False, None),
-         (None, False, "token")]
+# (options, importance weights): delta 1.05 < 1 + 0.28 makes the clipped branch the minimum where it passes the
+# ratio through (its gradient is not zero there); 1.3 sits above the clip range. CISPO clamps the ratio at
+# clip_eps_high itself (TRL's and Liger's epsilon_high).
+CASES = [(dict(delta=1.05), "token"), (dict(delta=1.3, use_bias_correction_kl=True), "sequence"),
+         (dict(use_bias_correction_kl=True), None), (dict(delta=1.1), None), ({}, "token"),
+         (dict(loss_type="cispo", clip_eps_high=1.1), "token"), (dict(loss_type="cispo", clip_eps_high=0.9), None),
+         (dict(loss_type="sapo", use_bias_correction_kl=True), "sequence"),
+         (dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=3.0), None)]
+IDS = [",".join(f"{k}={v}" for k, v in o.items()) + f",{w}" for o, w in CASES]
 
 
 def importance_weights(kind: str | None) -> torch.Tensor | None:
@@ -30,23 +36,32 @@ def importance_weights(kind: str | None) -> torch.Tensor | None:
     return (0.5 + torch.rand(B, T if kind == "token" else 1, generator=g)).to(DEV)
 
 
-def trl_loss(logits, ref_logps, old, adv, mask, *, delta, bias, is_ratio, beta):
-    """TRL 1.16's `_compute_loss` (token level, loss_type bnpo) in float64."""
+def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo", delta=None,
+             use_bias_correction_kl=False, clip_eps_high=HI, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05):
+    """TRL 1.16's `_compute_loss` (token level) in float64; cispo normalized as bnpo (one batch of one process)."""
     lp = torch.log_softmax(logits.double(), -1).gather(-1, INPUTS["action_ids"][..., None])[..., 0]
     coef_1 = torch.exp(lp - old.double())
-    coef_2 = torch.clamp(coef_1, 1 - LO, 1 + HI)
     d = ref_logps.double() - lp
     kl = torch.exp(d) - d - 1
-    if bias:
+    if use_bias_correction_kl:
         kl = kl * coef_1
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
     a = adv.double()[:, None]
-    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=clip_eps_high).detach() * a * lp
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * a
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - LO, 1 + clip_eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token = -torch.min(coef_1 * a, coef_2 * a)
     if is_ratio is not None:
         per_token = per_token * is_ratio.double()
     per_token = per_token + beta * kl
     m = mask.double()
+    if loss_type == "sapo":  # grpo's normalizer
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
     return (per_token * m).sum() / m.sum()
 
 
@@ -56,63 +71,65 @@ REF_LOGPS = torch.log_softmax(INPUTS["ref_logits"].double(), -1).gather(
     -1, INPUTS["action_ids"][..., None])[..., 0].float()
 
 
-def oracle(delta, bias, is_ratio, logits=None):
-    x = (INPUTS["policy_logits"] if logits is None else logits).double().detach().requires_grad_(True)
-    loss = trl_loss(x, REF_LOGPS, INPUTS["old_logps"], ADV, INPUTS["completion_mask"], delta=delta, bias=bias,
-                    is_ratio=is_ratio, beta=0.04)
+def oracle(options: dict, is_ratio):
+    x = INPUTS["policy_logits"].double().detach().requires_grad_(True)
+    loss = trl_loss(x, REF_LOGPS, INPUTS["old_logps"], ADV, INPUTS["completion_mask"], is_ratio, 0.04, **options)
     loss.backward()
     return loss.detach(), x.grad
 
 
-def contract(delta, bias, **kw) -> GRPOLossContract:
-    return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, clip_eps=LO, clip_eps_high=HI,
-                            beta=0.04, advantages_input="sequence", delta=delta, use_bias_correction_kl=bias,
-                            determinism_scope="topology_invariant", **kw)
+def contract(**options) -> GRPOLossContract:
+    return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, **{**dict(clip_eps_high=HI), **options},
+                            clip_eps=LO, beta=0.04, advantages_input="sequence", determinism_scope="topology_invariant")
 
 
-def run(backend: str, delta, bias, is_ratio, **kw):
+def run(backend: str, options: dict, is_ratio, **kw):
     """`(loss, gradient of the logits)` of one backend on the shared inputs."""
     x = INPUTS["policy_logits"].detach().clone().requires_grad_(True)
     i = INPUTS
     if backend.startswith("distributed"):
         res = DistributedGRPOLossOp(backend.split("/")[1]).apply(
-            x, i["action_ids"], i["old_logps"], contract=contract(delta, bias), completion_mask=i["completion_mask"],
+            x, i["action_ids"], i["old_logps"], contract=contract(**options), completion_mask=i["completion_mask"],
             advantages=ADV, ref_logps=REF_LOGPS, importance_sampling_ratio=is_ratio, check_values="sync")
         loss = res.loss
     else:
         op = kernel_registry.get_op("grpo_loss", backend=backend)
         extra = {"check_values": "sync", **kw} if backend == "triton" else {}
-        loss = op(x, None, i["action_ids"], i["old_logps"], None, i["completion_mask"], clip_eps=LO,
-                  clip_eps_high=HI, beta=0.04, advantages=ADV, ref_logps=REF_LOGPS, delta=delta,
-                  use_bias_correction_kl=bias, importance_sampling_ratio=is_ratio, **extra)[0]
+        loss = op(x, None, i["action_ids"], i["old_logps"], None, i["completion_mask"], clip_eps=LO, beta=0.04,
+                  advantages=ADV, ref_logps=REF_LOGPS, importance_sampling_ratio=is_ratio,
+                  **{**dict(clip_eps_high=HI), **options}, **extra)[0]
     loss.backward()
     return loss.detach(), x.grad
 
 
-@pytest.mark.parametrize("delta, bias, weights", CASES)
+@pytest.mark.parametrize("options, weights", CASES, ids=IDS)
 @pytest.mark.parametrize("backend", ["native", "triton", "triton/single_pass", "distributed/torch",
                                      "distributed/triton"])
-def test_backends_match_trl(backend, delta, bias, weights):
+def test_backends_match_trl(backend, options, weights):
     is_ratio = importance_weights(weights)
-    want_loss, want_grad = oracle(delta, bias, is_ratio)
+    want_loss, want_grad = oracle(options, is_ratio)
     kw = {"single_pass": True} if backend.endswith("single_pass") else {}
-    loss, grad = run(backend.split("/")[0] if kw else backend, delta, bias, is_ratio, **kw)
+    loss, grad = run(backend.split("/")[0] if kw else backend, options, is_ratio, **kw)
     assert_close_verbose(loss, want_loss, atol=1e-6, rtol=1e-5, what=f"{backend} loss")
     assert_close_verbose(grad, want_grad, atol=1e-7, rtol=1e-4, what=f"{backend} grad")
 
 
-@pytest.mark.parametrize("delta, bias, weights", CASES)
-def test_each_option_changes_the_loss(delta, bias, weights):
-    """Not vacuous: on these inputs each option moves TRL's gradient (delta binds, the weights are not all 1)."""
-    _, plain = oracle(None, False, None)
-    _, with_options = oracle(delta, bias, importance_weights(weights))
+@pytest.mark.parametrize("options, weights", CASES, ids=IDS)
+def test_each_option_changes_the_loss(options, weights):
+    """Not vacuous: on these inputs each option moves TRL's gradient (delta binds, the weights are not all 1, each
+    loss type and temperature changes the term)."""
+    _, plain = oracle({}, None)
+    _, with_options = oracle(options, importance_weights(weights))
     assert (with_options - plain).abs().max() > 1e-4
+    if "sapo_temperature_pos" in options:
+        _, default_taus = oracle({"loss_type": "sapo"}, importance_weights(weights))
+        assert (with_options - default_taus).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("delta, bias, weights", CASES[:3])
-def test_the_deterministic_kernel_sets_agree_bitwise(delta, bias, weights):
+@pytest.mark.parametrize("options, weights", CASES, ids=IDS)
+def test_the_deterministic_kernel_sets_agree_bitwise(options, weights):
     is_ratio = importance_weights(weights)
-    (la, ga), (lb, gb) = (run(f"distributed/{k}", delta, bias, is_ratio) for k in ("torch", "triton"))
+    (la, ga), (lb, gb) = (run(f"distributed/{k}", options, is_ratio) for k in ("torch", "triton"))
     assert_bitwise_equal(la, lb, "loss")
     assert_bitwise_equal(ga, gb, "grad")
 
@@ -120,26 +137,28 @@ def test_the_deterministic_kernel_sets_agree_bitwise(delta, bias, weights):
 def test_sequence_weights_are_token_weights_repeated():
     """`[B, 1]` is `[B, T]` with each sequence's weight at every token, to the bit (deterministic path)."""
     w = importance_weights("sequence")
-    (la, ga), (lb, gb) = (run("distributed/torch", 1.3, True, t) for t in (w, w.expand(B, T).contiguous()))
+    options = dict(delta=1.3, use_bias_correction_kl=True)
+    (la, ga), (lb, gb) = (run("distributed/torch", options, t) for t in (w, w.expand(B, T).contiguous()))
     assert_bitwise_equal(la, lb, "loss")
     assert_bitwise_equal(ga, gb, "grad")
 
 
+@pytest.mark.parametrize("options", [dict(delta=1.05, use_bias_correction_kl=True),
+                                     dict(loss_type="sapo", sapo_temperature_neg=2.0),
+                                     dict(loss_type="cispo", clip_eps_high=1.1)], ids=["delta_bias", "sapo", "cispo"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_linear_loss_matches_trl(kernels):
+def test_linear_loss_matches_trl(kernels, options):
     """The fused linear loss: its hidden-state gradient against TRL's formula on `hidden @ weight.T`."""
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(B, T, H, generator=g).to(DEV).requires_grad_(True)
     weight = (0.5 * torch.randn(V, H, generator=g)).to(DEV)
     is_ratio = importance_weights("token")
     logits = (hidden.double() @ weight.double().T).detach().requires_grad_(True)
-    want = trl_loss(logits, REF_LOGPS, INPUTS["old_logps"], ADV, INPUTS["completion_mask"], delta=1.05, bias=True,
-                    is_ratio=is_ratio, beta=0.04)
+    want = trl_loss(logits, REF_LOGPS, INPUTS["old_logps"], ADV, INPUTS["completion_mask"], is_ratio, 0.04, **options)
     want.backward()
     res = linear_grpo_loss(hidden, weight, INPUTS["action_ids"], INPUTS["old_logps"], None,
-                           INPUTS["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, clip_eps=LO,
-                           clip_eps_high=HI, beta=0.04, delta=1.05, use_bias_correction_kl=True,
-                           importance_sampling_ratio=is_ratio, kernels=kernels)
+                           INPUTS["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, clip_eps=LO, beta=0.04,
+                           importance_sampling_ratio=is_ratio, kernels=kernels, **{**dict(clip_eps_high=HI), **options})
     res.loss.backward()
     assert_close_verbose(res.loss, want, atol=1e-6, rtol=1e-5, what="loss")
     assert_close_verbose(hidden.grad, logits.grad @ weight.double(), atol=1e-6, rtol=1e-4, what="hidden grad")
@@ -148,7 +167,7 @@ def test_linear_loss_matches_trl(kernels):
 def _call(backend: str, is_ratio=None, **options):
     i = INPUTS
     if backend.startswith("distributed"):
-        c = contract(options.get("delta"), options.get("use_bias_correction_kl", False))
+        c = contract(**options)
         return DistributedGRPOLossOp(backend.split("/")[1]).apply(
             i["policy_logits"], i["action_ids"], i["old_logps"], contract=c, completion_mask=i["completion_mask"],
             advantages=ADV, ref_logps=REF_LOGPS, importance_sampling_ratio=is_ratio, check_values="sync").loss
@@ -208,6 +227,14 @@ def test_malformed_importance_weights_raise_everywhere(backend, is_ratio, match)
     (dict(delta=1e-40), "delta: expected a float > 0 that is a finite normal float32"),
     (dict(delta="2"), "delta: expected a float or None, got str '2'"),
     (dict(use_bias_correction_kl=1), "use_bias_correction_kl: expected a bool, got int 1"),
+    (dict(loss_type="cispo", delta=2.0), "delta: only used with the clipped surrogate"),
+    (dict(loss_type="sapo", delta=2.0), "delta: only used with the clipped surrogate"),
+    (dict(sapo_temperature_pos=1.0), "sapo_temperature_pos: only used with loss_type='sapo'"),
+    (dict(loss_type="dapo", sapo_temperature_neg=1.0), "sapo_temperature_neg: only used with loss_type='sapo'"),
+    (dict(loss_type="sapo", sapo_temperature_pos=0.0), "sapo_temperature_pos: expected a float > 0"),
+    (dict(loss_type="sapo", sapo_temperature_neg=float("inf")), "sapo_temperature_neg: expected a float > 0"),
+    (dict(loss_type="sapo", sapo_temperature_neg="1"), "sapo_temperature_neg: expected a float > 0"),
+    (dict(loss_type="luspo"), "loss_type: expected one of"),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_options_raise_everywhere(backend, options, match):
@@ -217,10 +244,19 @@ def test_bad_options_raise_everywhere(backend, options, match):
 
 def test_fingerprint_moves_only_with_the_options():
     """Old goldens keep their fingerprints: the defaults add nothing; each option, when used, enters it."""
-    plain = contract(None, False).fingerprint()
+    plain = contract(delta=None, use_bias_correction_kl=False, loss_type=None).fingerprint()
     assert GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, clip_eps=LO, clip_eps_high=HI,
                             beta=0.04, advantages_input="sequence", determinism_scope="topology_invariant"
-                            ).fingerprint() == plain
-    prints = {plain, contract(2.0, False).fingerprint(), contract(2.5, False).fingerprint(),
-              contract(None, True).fingerprint()}
-    assert len(prints) == 4
+                            ).fingerprint() == plain == contract(loss_type="dapo").fingerprint()
+    prints = {plain, contract(delta=2.0).fingerprint(), contract(delta=2.5).fingerprint(),
+              contract(use_bias_correction_kl=True).fingerprint(), contract(loss_type="cispo").fingerprint(),
+              contract(loss_type="sapo").fingerprint(),
+              contract(loss_type="sapo", sapo_temperature_pos=2.0).fingerprint()}
+    assert len(prints) == 7
+    # cispo and sapo name a normalizer and a term: a normalizer given replaces theirs (TRL's dapo-like cispo)
+    fixed = contract(loss_type="cispo", normalizer="fixed_constant", normalizer_constant=64.0)
+    assert fixed.normalizer.value == "fixed_constant" and fixed.surrogate.value == "cispo"
+    with pytest.raises(LossContractError, match="loss_type / normalizer"):
+        contract(loss_type="dapo", normalizer="fixed_constant", normalizer_constant=64.0)
+    default_taus = contract(loss_type="sapo", sapo_temperature_neg=1.05)
+    assert contract(loss_type="sapo").fingerprint() == default_taus.fingerprint()

@@ -31,6 +31,7 @@ def _primitives(X, OUT, n, BLOCK: tl.constexpr):
     tl.store(OUT + i, kernels.exp(x), mask=i < n)
     tl.store(OUT + n + i, kernels.exp_nonpos(-tl.abs(x)), mask=i < n)
     tl.store(OUT + 2 * n + i, kernels.log(tl.abs(x)), mask=i < n)
+    tl.store(OUT + 3 * n + i, kernels.sigmoid(x), mask=i < n)
 
 
 def test_primitives_give_the_torch_bits():
@@ -40,12 +41,14 @@ def test_primitives_give_the_torch_bits():
                    torch.randn(1 << 16, generator=g) * 30, torch.tensor([0.0, -0.0, float("-inf"), float("inf"),
                                                                        -87.33655, -104.5, 88.72, 1.0])])
     x = x.to(DEV)
-    out = torch.empty(3 * x.numel(), device=DEV)
+    x = torch.cat([x, torch.tensor([float("nan"), -17.0, 17.5, 1e-30], device=DEV)])
+    out = torch.empty(4 * x.numel(), device=DEV)
     _primitives[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024, enable_fp_fusion=False)
-    out = out.view(3, -1).cpu()
+    out = out.view(4, -1).cpu()
     xc = x.cpu()
     assert_bitwise_equal(out[0], canonical.exp(xc), "exp")
     assert_bitwise_equal(out[1], canonical.exp(-xc.abs()), "exp_nonpos == exp on x <= 0")
+    assert_bitwise_equal(out[3], canonical.sigmoid(xc), "sigmoid")
     normal = xc.abs() >= canonical.TINY
     assert_bitwise_equal(out[2][normal & torch.isfinite(xc)], canonical.log(xc.abs()[normal & torch.isfinite(xc)]),
                          "log")

@@ -181,7 +181,8 @@ class DistributedGRPOLossOp:
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
         c = _Call(contract, mask, action_ids, completion_mask, old_logps.detach().to(torch.float32),
-                  inverse_temperature(contract.temperature), (1.0 - contract.clip_eps, 1.0 + contract.clip_eps_high),
+                  inverse_temperature(contract.temperature),
+                  canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate),
                   tp_group, dp_group, check_values, None if importance_sampling_ratio is None else
                   canonical.given_logprobs(importance_sampling_ratio, mask))
         seq_lo, seq_hi = contract.sharding.sequence_bounds
@@ -232,11 +233,17 @@ class _Call:
     completion_mask: torch.Tensor  # as given (the Triton kernels check its values)
     old: torch.Tensor  # fp32, detached: the gradient flows into the policy logits only
     inv: float  # fp32(1 / temperature)
-    clip: tuple[float, float]  # (1 - clip_eps, 1 + clip_eps_high)
+    clip: tuple[float, float]  # the ratio's bounds (`canonical.bounds`)
     tp_group: Any
     dp_group: Any
     check_values: str
     is_ratio: torch.Tensor | None  # fp32 [n_local, T], 0.0 on masked tokens (`canonical.given_logprobs`)
+
+    @property
+    def taus(self) -> tuple[float, float] | None:
+        """SAPO's temperatures, or None."""
+        c = self.contract
+        return None if c.sapo_temperature_pos is None else (c.sapo_temperature_pos, c.sapo_temperature_neg)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
@@ -264,7 +271,7 @@ class _TorchKernels:
         non-finite log-probs, clipped tokens), what the gradient needs)`. (`rewards`: the Triton kernels' use.)"""
         n, T = c.mask.shape
         lp = c.contract.logprob_contract
-        lo_t, hi_t = canonical.clip_bounds(c.contract.clip_eps, c.contract.clip_eps_high, c.old)
+        lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
         rows = c.mask.reshape(-1).nonzero().squeeze(1)
         ids = c.action_ids.reshape(-1)[rows].long()
 
@@ -283,7 +290,7 @@ class _TorchKernels:
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
         sums = torch.stack([self.token_sum(canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta,
-                                                                       c.is_ratio)),
+                                                                       c.is_ratio, o.surrogate, logp, c.taus)),
                             self.token_sum(kl_tok), local_ratio])
         ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
         return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t)
@@ -315,7 +322,7 @@ class _TorchKernels:
         rows, ids, lse, ratio, adv, lo_t, hi_t = state
         o = c.contract
         coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio,
-                                    o.use_bias_correction_kl)
+                                    o.use_bias_correction_kl, o.surrogate, c.taus)
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
         scaled = coef.reshape(-1)[rows] * grad_loss
@@ -360,7 +367,8 @@ class _TritonKernels:
         logp_ref = logp[1] if ref is not None else given_ref
         o = c.contract
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
-                                           o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl)
+                                           o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl,
+                                           o.surrogate, c.taus)
         return logp[0], logp_ref, sums, ints, (lse[0], adv)
 
     @staticmethod
@@ -414,4 +422,4 @@ class _TritonKernels:
         o = c.contract
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
                             o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=c.is_ratio,
-                            bias_kl=o.use_bias_correction_kl)
+                            bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=c.taus)

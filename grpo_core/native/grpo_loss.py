@@ -42,21 +42,23 @@ class NativeGRPOLossOp:
                  advantages: torch.Tensor | None = None, loss_type: str | None = None,
                  max_completion_length: int | None = None, ref_logps: torch.Tensor | None = None,
                  delta: float | None = None, use_bias_correction_kl: bool = False,
-                 importance_sampling_ratio: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
+                 sapo_temperature_neg: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
         'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
         with rewards; `ref_logps` `[B, T]`: the reference's log-probs of the action ids, given in place of
         `ref_logits` (pass `ref_logits=None`). TRL's `delta` (an upper clamp of the unclipped ratio) and
         `use_bias_correction_kl` (the KL term times the ratio); `importance_sampling_ratio` `[B, T]` or `[B, 1]`:
         the rollout engine's importance weights (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`),
-        multiplied into each token's surrogate term."""
+        multiplied into each token's surrogate term. `loss_type` 'cispo' and 'sapo' (with its temperatures)
+        change the per-token term (`contract.Surrogate`)."""
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
                          max_completion_length=max_completion_length, ref_logps=ref_logps, delta=delta,
                          use_bias_correction_kl=use_bias_correction_kl,
-                         importance_sampling_ratio=importance_sampling_ratio)
+                         importance_sampling_ratio=importance_sampling_ratio,
+                         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
         return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {},
                                importance_sampling_ratio))
 
@@ -112,9 +114,10 @@ class NativeGRPOLossOp:
         if o.advantages_input is AdvantagesInput.REWARDS:  # a group whose sum or variance overflowed: NaN
             check_derived_advantages(adv, rewards.detach().to(torch.float32), o.groups)
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp, bias_kl=o.bias_kl)
-        lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp)
+        lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
         is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
-        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio)
+        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
+                                                 o.taus, sigmoid=torch.sigmoid)
         per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
                                               mask.sum(dim=-1))
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,

@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from .. import canonical as C
-from ..contract import AdvantageStd, TokenNormalizer
+from ..contract import AdvantageStd, Surrogate, TokenNormalizer
 from .group_norm import MODES, group_tensors
-from .launch import finish_options, pick, twins
+from .launch import SURROGATES, finish_options, pick, twins
 
 # Settings from one H200 sweep (benchmarks/README.md, 2026-11-30), bf16 32x256x32768 / 16x1024x151936: the row kernel
 # with (4096 columns, 4 warps) took 0.554 / 5.05 ms against 0.574 / 5.13 with (2048, 2) and 0.569 / 5.14 with (8192, 8);
@@ -271,12 +271,25 @@ def _merge_kernel(
 
 
 @triton.jit
-def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, HAS_REF: tl.constexpr,
-                 HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr):
+def sigmoid(x):
+    """`canonical.sigmoid`."""
+    t = exp(-tl.abs(x))
+    return tl.math.div_rn(tl.where(x >= 0, 1.0, t), 1.0 + t)
+
+
+@triton.jit
+def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, tau_pos, tau_neg,
+                 HAS_REF: tl.constexpr, HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr, SURROGATE: tl.constexpr):
     """`canonical.ratio_and_kl` and `canonical.clipped_surrogate` of one block of tokens (`delta`: +inf without
-    one, where `min` changes nothing; `w`: the importance weights, HAS_IS)."""
+    one, where `min` changes nothing; `w`: the importance weights, HAS_IS; SURROGATE: 0 clipped, 1 CISPO, 2 SAPO)."""
     ratio = exp(tl.where(active, logp - old, 0.0))
-    policy = -_min(_min(ratio, delta) * adv, _min(_max(ratio, clip_lo), clip_hi) * adv)
+    if SURROGATE == 1:
+        policy = -((_min(ratio, clip_hi) * adv) * logp)
+    elif SURROGATE == 2:
+        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        policy = -(tl.math.div_rn(sigmoid(tau * (ratio - 1.0)) * 4.0, tau) * adv)
+    else:
+        policy = -_min(_min(ratio, delta) * adv, _min(_max(ratio, clip_lo), clip_hi) * adv)
     if HAS_IS:
         policy = policy * w
     kl = tl.zeros_like(ratio)
@@ -300,11 +313,12 @@ def _sequence_kernel(
     is_ptr,  # fp32 [B, T] importance weights (HAS_IS)
     out_ptr,  # out: fp32 [3, B] = each sequence's token sums of the surrogate, the KL and the ratio
     ints_ptr,  # out: int64 [3, B] = active tokens, bad-value flag, clipped tokens (`canonical.clipped_tokens`)
-    B, T, vocab, clip_lo, clip_hi, delta,
+    B, T, vocab, clip_lo, clip_hi, delta, tau_pos, tau_neg,  # tau_*: SAPO's temperatures
     # Meta-parameters
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,  # the KL term times the ratio
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
     TOKEN_ADV: tl.constexpr,  # an advantage per token
     REWARDS: tl.constexpr,  # the advantages come from the rewards: flag a non-finite reward or advantage
     CHECK_MASK: tl.constexpr,  # the mask is not bool: flag active values other than 1
@@ -316,6 +330,7 @@ def _sequence_kernel(
     and >= 0, or where the reward or the advantage derived from the rewards is not finite."""
     b = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi, delta = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32), tl.cast(delta, tl.float32)
+    tau_pos, tau_neg = tl.cast(tau_pos, tl.float32), tl.cast(tau_neg, tl.float32)
     idx = tl.arange(0, CHUNKS)
     pol = tl.zeros((CHUNKS,), tl.float32)
     kls = tl.zeros((CHUNKS,), tl.float32)
@@ -336,8 +351,8 @@ def _sequence_kernel(
         else:  # the sequence's advantage at every token
             adv = tl.load(adv_ptr + b + 0 * t, mask=active, other=0.0)
         w = tl.load(is_ptr + b * T + t, mask=active, other=0.0) if HAS_IS else adv
-        ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, HAS_REF,
-                                         HAS_IS, BIAS_KL)
+        ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, tau_pos,
+                                         tau_neg, HAS_REF, HAS_IS, BIAS_KL, SURROGATE)
         finite = ((tl.abs(logp) < float("inf")) & (tl.abs(logp_ref) < float("inf")) & (tl.abs(old) < float("inf"))
                   & (tl.abs(adv) < float("inf")) & (ids >= 0) & (ids < vocab))
         if HAS_IS:
@@ -472,12 +487,13 @@ def _grad_kernel(
     lse_ptr,  # fp32 [N] the policy rows' log-sum-exp over the whole vocabulary
     g_out_ptr,  # fp32 [1] d(output) / d(loss)
     g_ptr,  # out: gradient [N, V] in the logits' dtype (BF16_BITS: its int16 view), rows `stride_g` apart
-    T, V, stride_x, stride_g, lo, clip_lo, clip_hi, beta, delta,
+    T, V, stride_x, stride_g, lo, clip_lo, clip_hi, beta, delta, tau_pos, tau_neg,
     inv,  # the inverse temperature, fp32 (SCALE)
     # Meta-parameters
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops (round to nearest even, as torch does)
@@ -486,6 +502,7 @@ def _grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi, beta = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32), tl.cast(beta, tl.float32)
     inv, delta = tl.cast(inv, tl.float32), tl.cast(delta, tl.float32)
+    tau_pos, tau_neg = tl.cast(tau_pos, tl.float32), tl.cast(tau_neg, tl.float32)
     g_row = g_ptr + row * stride_g
     cols = tl.arange(0, BLOCK)
     if tl.load(mask_ptr + row) != 0:
@@ -494,12 +511,17 @@ def _grad_kernel(
         logp_ref = tl.load(ref_ptr + row) if HAS_REF else logp
         adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
         ratio = exp(logp - tl.load(old_ptr + row))
-        unclipped = ratio * adv
-        # the minimum's branch, and whether its clamp passes the ratio (+inf delta: the first branch's always does,
-        # and where the second is the smaller one it clamped the ratio)
-        taken = tl.where(_min(ratio, delta) * adv <= _min(_max(ratio, clip_lo), clip_hi) * adv, ratio <= delta,
-                         (ratio >= clip_lo) & (ratio <= clip_hi))
-        coef = tl.where(taken, -unclipped, 0.0)
+        if SURROGATE == 1:
+            coef = -(_min(ratio, clip_hi) * adv)
+        elif SURROGATE == 2:
+            s = sigmoid(tl.where(adv > 0, tau_pos, tau_neg) * (ratio - 1.0))
+            coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)
+        else:
+            # the minimum's branch, and whether its clamp passes the ratio (+inf delta: the first branch's always
+            # does, and where the second is the smaller one it clamped the ratio)
+            taken = tl.where(_min(ratio, delta) * adv <= _min(_max(ratio, clip_lo), clip_hi) * adv, ratio <= delta,
+                             (ratio >= clip_lo) & (ratio <= clip_hi))
+            coef = tl.where(taken, -(ratio * adv), 0.0)
         if HAS_IS:
             coef = coef * tl.load(is_ptr + row)
         if HAS_REF:
@@ -590,11 +612,13 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.Tensor, mask: torch.Tensor,
                   ids: torch.Tensor, adv: torch.Tensor, rewards: torch.Tensor | None, vocab: int, clip_lo: float,
                   clip_hi: float, delta: float | None = None, is_ratio: torch.Tensor | None = None,
-                  bias_kl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED,
+                  taus: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: fp32 `[3, B]` token sums (surrogate, KL, ratio) and int64 `[3, B]` (active tokens, bad-value
     flag, clipped tokens). `mask` is the completion mask as given; `adv` `[B]` or `[B, T]` (an advantage per
     token), read only where an active token reads it; `rewards` (fp32 `[B]` or None) are checked; `delta`,
-    `is_ratio` (fp32 `[B, T]`) and `bias_kl` as in `canonical.clipped_surrogate` / `ratio_and_kl`."""
+    `is_ratio` (fp32 `[B, T]`), `bias_kl`, `surrogate` and `taus` as in `canonical.clipped_surrogate` /
+    `ratio_and_kl` (`clip_lo`, `clip_hi`: `canonical.bounds`)."""
     B, T = mask.shape
     out = torch.empty(3, B, dtype=torch.float32, device=logp.device)
     ints = torch.empty(3, B, dtype=torch.int64, device=logp.device)
@@ -605,8 +629,9 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
                                old.to(torch.float32).contiguous(), mask.contiguous(), ids.contiguous(),
                                adv.contiguous(), rewards.contiguous() if rewards is not None else adv,
                                logp if is_ratio is None else is_ratio.contiguous(), out, ints, B, T, vocab, clip_lo,
-                               clip_hi, math.inf if delta is None else delta, HAS_REF=logp_ref is not None,
-                               HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, TOKEN_ADV=adv.dim() == 2,
+                               clip_hi, math.inf if delta is None else delta, *(taus or (1.0, 1.0)),
+                               HAS_REF=logp_ref is not None, HAS_IS=is_ratio is not None, BIAS_KL=bias_kl,
+                               SURROGATE=SURROGATES[surrogate], TOKEN_ADV=adv.dim() == 2,
                                REWARDS=rewards is not None, CHECK_MASK=mask.dtype != torch.bool, BLOCK=block,
                                LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks), **_fp())
     return out, ints
@@ -648,11 +673,12 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
          logp_ref: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor, lse: torch.Tensor,
          grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float, inv: float = 1.0,
          out: torch.Tensor | None = None, delta: float | None = None, is_ratio: torch.Tensor | None = None,
-         bias_kl: bool = False) -> torch.Tensor:
+         bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None
+         ) -> torch.Tensor:
     """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows); `adv` `[n]` or
-    `[n, T]`; `inv` the fp32 inverse temperature; `delta`, `is_ratio` (fp32, a weight per token) and `bias_kl` as in
-    `canonical.token_coef`. `out`: `[n * T, V_local]` rows to write instead (any dtype and row
-    stride; never the logits' own bytes: a program's threads do not read a row in step with its writes)."""
+    `[n, T]`; `inv` the fp32 inverse temperature; `delta`, `is_ratio` (fp32, a weight per token), `bias_kl`,
+    `surrogate` and `taus` as in `canonical.token_coef`. `out`: `[n * T, V_local]` rows to write instead (any dtype
+    and row stride; never the logits' own bytes: a program's threads do not read a row in step with its writes)."""
     x = _rows2d(policy)
     N, V = x.shape
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device) if out is None else out
@@ -664,7 +690,8 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             adv.contiguous(), weights.contiguous(), logp if is_ratio is None else is_ratio.contiguous(),
             lse.contiguous(), grad_loss.to(torch.float32).reshape(1), g.view(torch.int16) if bf16_bits else g,
             mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi, beta,
-            math.inf if delta is None else delta, inv, HAS_REF=logp_ref is not None, HAS_IS=is_ratio is not None,
-            BIAS_KL=bias_kl, TOKEN_ADV=adv.dim() == 2, SCALE=inv != 1.0, BF16_BITS=bf16_bits,
+            math.inf if delta is None else delta, *(taus or (1.0, 1.0)), inv, HAS_REF=logp_ref is not None,
+            HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=SURROGATES[surrogate], TOKEN_ADV=adv.dim() == 2,
+            SCALE=inv != 1.0, BF16_BITS=bf16_bits,
             BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)), **_fp())
     return g.view(policy.shape)

@@ -41,7 +41,7 @@ from ..checks import loss_options
 from ..contract import FP32_MAX, AdvantageStd, TokenNormalizer, inverse_temperature
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
-from .launch import finish_options, pick, twins
+from .launch import SURROGATES, finish_options, pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
@@ -65,11 +65,12 @@ def _sequence_kernel(
     # token is outside [0, V), a reward of the sequence's group, the advantage derived from them (its group's sum
     # or variance overflowed) or a given advantage that an active token reads is not finite, or (SUMS) an active
     # token's old log-prob or log-probs are not finite or its importance weight not finite and >= 0
-    B, T, V, clip_low, clip_high, delta, floor, eps,  # delta: +inf without one
+    B, T, V, lo, hi, delta, tau_pos, tau_neg, floor, eps,  # lo, hi: the ratio's bounds; delta: +inf without one
     # Meta-parameters
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,  # the KL term times the ratio
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO (with tau_pos, tau_neg)
     SUMS: tl.constexpr,
     CHECK_MASK: tl.constexpr,  # the mask is not bool: its values must be 0 or 1
     GIVEN: tl.constexpr,  # the advantages are given: no group statistics
@@ -79,7 +80,8 @@ def _sequence_kernel(
     BLOCK_G: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high, delta = _f32(clip_low), _f32(clip_high), _f32(delta)  # Inductor passes fp64 scalars
+    lo, hi, delta = _f32(lo), _f32(hi), _f32(delta)  # Inductor passes fp64 scalars
+    tau_pos, tau_neg = _f32(tau_pos), _f32(tau_neg)
     N = B * T
     if GIVEN:
         bad_seq = 0
@@ -120,8 +122,13 @@ def _sequence_kernel(
             old = tl.load(old_ptr + row, mask=active, other=0.0)
             finite = (tl.abs(logp) < float("inf")) & (tl.abs(old) < float("inf"))  # false for NaN too
             ratio = tl.exp(tl.where(active, logp - old, 0.0))
-            clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-            policy = -tl.minimum(tl.minimum(ratio, delta) * a, clipped * a)
+            if SURROGATE == 1:
+                policy = -((tl.minimum(ratio, hi) * a) * logp)
+            elif SURROGATE == 2:
+                tau = tl.where(a > 0, tau_pos, tau_neg)
+                policy = -(((tl.sigmoid(tau * (ratio - 1.0)) * 4.0) / tau) * a)
+            else:
+                policy = -tl.minimum(tl.minimum(ratio, delta) * a, tl.minimum(tl.maximum(ratio, lo), hi) * a)
             if HAS_IS:
                 w = tl.load(is_ptr + row, mask=active, other=0.0)
                 finite = finite & (w >= 0.0) & (w < float("inf"))
@@ -227,14 +234,15 @@ def _scale_rows_kernel(g_ptr, s_ptr, V, stride, BLOCK: tl.constexpr):
 _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 
-def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high, beta, inv,
+def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, lo, hi, beta, inv,
              single_pass, means, denom, constant, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
-             grad=None):
+             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
     loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
     advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. `ref_logps` (fp32 `[B * T]`, in place of
     `ref`): the reference's log-probs as given; `delta` (+inf: none), `is_ratio` (fp32 `[B * T]`, 0.0 at masked
-    tokens, or None) and `bias_kl` as in `canonical.token_coef`. Two-pass mode launches the row kernel
+    tokens, or None), `bias_kl`, `surrogate` (0 clipped, 1 CISPO, 2 SAPO) and its `tau_*` as in `canonical.token_coef`
+    (`lo`, `hi`: `canonical.bounds`). Two-pass mode launches the row kernel
     first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
     gradient (default: a new tensor)."""
     B, T, V = policy.shape
@@ -251,15 +259,15 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
 
     def rows_kernel():
         return launch_forward(launch, policy, ref, ids, mask, None, old, adv, weight,
-                              grad if single_pass else None, clip_low, clip_high, beta, inv, ref_logps, delta,
-                              is_ratio, bias_kl)
+                              grad if single_pass else None, lo, hi, beta, inv, ref_logps, delta,
+                              is_ratio, bias_kl, surrogate, (tau_pos, tau_neg))
 
     def sequences(out, sums):
         launch(_sequence_kernel)[(B,)](
             out, old, source, source if given else bounds, source if given else group_of, mask, ids,
-            old if is_ratio is None else is_ratio, adv, seq, counts, flags, B, T, V, clip_low, clip_high, delta,
+            old if is_ratio is None else is_ratio, adv, seq, counts, flags, B, T, V, lo, hi, delta, tau_pos, tau_neg,
             STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None, HAS_IS=is_ratio is not None,
-            BIAS_KL=bias_kl,
+            BIAS_KL=bias_kl, SURROGATE=surrogate,
             SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
             BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
@@ -275,25 +283,26 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
 @triton_op("grpo_core::grpo_forward", mutates_args={})
 def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
                  old: torch.Tensor, source: torch.Tensor, bounds: torch.Tensor | None, group_of: torch.Tensor | None,
-                 std: int, clip_low: float, clip_high: float, beta: float, inv: float, single_pass: bool, means: bool,
+                 std: int, lo: float, hi: float, beta: float, inv: float, single_pass: bool, means: bool,
                  denom: str, constant: float, ref_logps: torch.Tensor | None, delta: float,
-                 is_ratio: torch.Tensor | None, bias_kl: bool
+                 is_ratio: torch.Tensor | None, bias_kl: bool, surrogate: int, tau_pos: float, tau_neg: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [3, N], adv [B] or [B, T], weight [B], scalars [3] = loss, policy_loss, kl, flags, grad)`: per-token
     log-probs, the advantages and normalizer weights, the loss, the bad-value flags, and in single-pass mode
     `d loss / d policy` (else an empty tensor)."""
-    return _forward(wrap_triton, policy, ref, ids, mask, old, source, bounds, group_of, std, clip_low, clip_high,
-                    beta, inv, single_pass, means, denom, constant, ref_logps, delta, is_ratio, bias_kl)
+    return _forward(wrap_triton, policy, ref, ids, mask, old, source, bounds, group_of, std, lo, hi,
+                    beta, inv, single_pass, means, denom, constant, ref_logps, delta, is_ratio, bias_kl, surrogate,
+                    tau_pos, tau_neg)
 
 
 @triton_op("grpo_core::grpo_backward", mutates_args={})
 def grpo_backward(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, old: torch.Tensor,
                   adv: torch.Tensor, weight: torch.Tensor, is_ratio: torch.Tensor | None, grad_loss: torch.Tensor,
-                  clip_low: float, clip_high: float, beta: float, has_ref: bool, inv: float, delta: float,
-                  bias_kl: bool) -> torch.Tensor:
+                  lo: float, hi: float, beta: float, has_ref: bool, inv: float, delta: float,
+                  bias_kl: bool, surrogate: int, tau_pos: float, tau_neg: float) -> torch.Tensor:
     """Two-pass backward: the gradient from a second stream over the policy rows."""
-    return launch_grad(wrap_triton, policy, ids, mask, out, grad_loss.reshape(1), old, adv, weight, clip_low,
-                       clip_high, beta, has_ref, inv, delta, is_ratio, bias_kl)
+    return launch_grad(wrap_triton, policy, ids, mask, out, grad_loss.reshape(1), old, adv, weight, lo,
+                       hi, beta, has_ref, inv, delta, is_ratio, bias_kl, surrogate, (tau_pos, tau_neg))
 
 
 class _GRPOLoss(torch.autograd.Function):
@@ -302,7 +311,7 @@ class _GRPOLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, is_ratio, opts):
-        ctx.opts = opts  # clip_low, clip_high, beta, has_ref, inv, delta, bias_kl
+        ctx.opts = opts  # lo, hi, beta, has_ref, inv, delta, bias_kl, surrogate, tau_pos, tau_neg
         ctx.save_for_backward(policy, grad, ids, mask, out, old, adv, weight, is_ratio)
         return loss.clone()
 
@@ -314,9 +323,9 @@ class _GRPOLoss(torch.autograd.Function):
             if torch.compiler.is_compiling():
                 grad = grpo_backward(policy, ids, mask, out, old, adv, weight, is_ratio, grad_loss, *ctx.opts)
             else:
-                *clip, delta, bias_kl = ctx.opts
+                *clip, delta, bias_kl, surrogate, tau_pos, tau_neg = ctx.opts
                 grad = launch_grad(lambda k: k, policy, ids, mask, out, grad_loss, old, adv, weight, *clip, delta,
-                                   is_ratio, bias_kl)
+                                   is_ratio, bias_kl, surrogate, (tau_pos, tau_neg))
         elif torch.compiler.is_compiling():
             grad = grad * grad_loss.to(grad.dtype)
         else:  # scaled in place by a kernel that does nothing when grad_loss == 1: no device sync, no extra pass
@@ -353,7 +362,8 @@ class TritonGRPOLossOp:
                  advantages: torch.Tensor | None = None, loss_type: str | None = None,
                  max_completion_length: int | None = None, single_pass: bool = False, inplace: bool = False,
                  check_values: str = "deferred", ref_logps: torch.Tensor | None = None, delta: float | None = None,
-                 use_bias_correction_kl: bool = False, importance_sampling_ratio: torch.Tensor | None = None
+                 use_bias_correction_kl: bool = False, importance_sampling_ratio: torch.Tensor | None = None,
+                 sapo_temperature_pos: float | None = None, sapo_temperature_neg: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
@@ -362,13 +372,15 @@ class TritonGRPOLossOp:
                          advantage_std, values=False, temperature=temperature, advantages=advantages,
                          loss_type=loss_type, max_completion_length=max_completion_length, ref_logps=ref_logps,
                          delta=delta, use_bias_correction_kl=use_bias_correction_kl,
-                         importance_sampling_ratio=importance_sampling_ratio)
+                         importance_sampling_ratio=importance_sampling_ratio,
+                         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
             raise ValueError("inplace: writing the gradient into policy_logits needs policy_logits.requires_grad "
                              "and grad mode on")
-        clip, inv = (o.clip_eps, o.clip_eps_high, o.beta), inverse_temperature(o.temperature)
+        clip, inv = (*canonical.bounds(o.clip_eps, o.clip_eps_high, o.surrogate), o.beta), inverse_temperature(
+            o.temperature)
         x = policy_logits.detach()
         B, T = o.mask.shape
         old = flat(old_logps.float())  # the kernels index [B * T] and [B] vectors densely: no strides, no offsets
@@ -381,8 +393,9 @@ class TritonGRPOLossOp:
         is_ratio = (None if importance_sampling_ratio is None else
                     flat(canonical.given_logprobs(importance_sampling_ratio, o.mask)))  # 0.0 at masked tokens
         delta = math.inf if o.delta is None else o.delta
+        surrogate = (SURROGATES[o.surrogate], *(o.taus or (1.0, 1.0)))
         args = (ref_logits, action_ids, completion_mask, old, source, *groups, *clip, inv, single,
-                *finish_options(o.normalizer, o.constant, B), given_ref, delta, is_ratio, o.bias_kl)
+                *finish_options(o.normalizer, o.constant, B), given_ref, delta, is_ratio, o.bias_kl, *surrogate)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
         elif torch.compiler.is_compiling():
@@ -397,5 +410,5 @@ class TritonGRPOLossOp:
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
-                                   is_ratio, (*clip, has_ref, inv, delta, o.bias_kl))
+                                   is_ratio, (*clip, has_ref, inv, delta, o.bias_kl, *surrogate))
         return loss, policy_loss, kl

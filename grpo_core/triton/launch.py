@@ -1,11 +1,13 @@
 """What both kernel modules launch with: kernel twins (one specialized by Triton, one not, for the degenerate shapes
-that break specialization) and the finish kernels' normalizer options."""
+that break specialization), the finish kernels' normalizer options and the per-token term's code."""
 
 from __future__ import annotations
 
 import triton
 
-from ..contract import TokenNormalizer
+from ..contract import Surrogate, TokenNormalizer
+
+SURROGATES = {Surrogate.CLIPPED: 0, Surrogate.CISPO: 1, Surrogate.SAPO: 2}  # the kernels' SURROGATE constexpr
 
 
 def twins(fn, names: list[str]) -> tuple:

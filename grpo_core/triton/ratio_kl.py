@@ -111,17 +111,22 @@ def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF: tl.constex
 
 
 @triton.jit
-def _token_coef(logp, logp_ref, old, adv, weight, clip_low, clip_high, beta, delta, w_is, HAS_REF: tl.constexpr,
-                HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr):
+def _token_coef(logp, logp_ref, old, adv, weight, lo, hi, beta, delta, w_is, tau_pos, tau_neg,
+                HAS_REF: tl.constexpr, HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr, SURROGATE: tl.constexpr):
     """d loss / d logp of one token: `weight * (d policy / d logp + beta * d kl / d logp)`, the terms of
-    `canonical.token_coef` (`delta` +inf: none; `w_is`: the importance weight, HAS_IS; BIAS_KL: the KL times the
-    ratio)."""
+    `canonical.token_coef` (`lo`, `hi`: `canonical.bounds`; `delta` +inf: none; `w_is`: the importance weight,
+    HAS_IS; BIAS_KL: the KL times the ratio; SURROGATE 0 clipped, 1 CISPO, 2 SAPO with `tau_pos`, `tau_neg`)."""
     ratio = tl.exp(logp - old)
-    lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    clipped = tl.minimum(tl.maximum(ratio, lo), hi) * adv
-    # the minimum's branch, and whether its clamp passes the ratio
-    taken = tl.where(tl.minimum(ratio, delta) * adv <= clipped, ratio <= delta, (ratio >= lo) & (ratio <= hi))
-    coef = tl.where(taken, -(ratio * adv), 0.0)
+    if SURROGATE == 1:
+        coef = -(tl.minimum(ratio, hi) * adv)
+    elif SURROGATE == 2:
+        s = tl.sigmoid(tl.where(adv > 0, tau_pos, tau_neg) * (ratio - 1.0))
+        coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)
+    else:
+        clipped = tl.minimum(tl.maximum(ratio, lo), hi) * adv
+        # the minimum's branch, and whether its clamp passes the ratio
+        taken = tl.where(tl.minimum(ratio, delta) * adv <= clipped, ratio <= delta, (ratio >= lo) & (ratio <= hi))
+        coef = tl.where(taken, -(ratio * adv), 0.0)
     if HAS_IS:
         coef = coef * w_is
     if HAS_REF:
@@ -207,11 +212,13 @@ def _logprob_fwd_kernel(
     g_ptr,  # out: gradient [N, V] in the logits dtype, rows `stride_g` apart (SINGLE_PASS)
     N, T, V,
     stride_x, stride_r, stride_g,
-    clip_low, clip_high, beta, delta, inv,  # delta: +inf without one; inv: the inverse temperature (SCALE)
+    lo, hi, beta, delta, tau_pos, tau_neg, inv,  # lo, hi: the ratio's bounds; delta: +inf without one; tau_*: SAPO's
+    # temperatures; inv: the inverse temperature (SCALE)
     # Meta-parameters
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
     REF_ROWS: tl.constexpr,  # HAS_REF: the reference log-probs from its logits' rows, else as given in `r_ptr`
     SINGLE_PASS: tl.constexpr,
     TOKEN_ADV: tl.constexpr,
@@ -222,8 +229,8 @@ def _logprob_fwd_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high, beta, inv = _f32(clip_low), _f32(clip_high), _f32(beta), _f32(inv)  # Inductor: fp64
-    delta = _f32(delta)
+    lo, hi, beta, inv = _f32(lo), _f32(hi), _f32(beta), _f32(inv)  # Inductor: fp64
+    delta, tau_pos, tau_neg = _f32(delta), _f32(tau_pos), _f32(tau_neg)
     active = tl.load(mask_ptr + row) != 0
     action = tl.load(ids_ptr + row).to(tl.int64)
     valid = (action >= 0) & (action < V)
@@ -250,8 +257,8 @@ def _logprob_fwd_kernel(
         seq = row // T
         adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
         w_is = tl.load(is_ptr + row) if HAS_IS else adv
-        coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), adv, tl.load(w_ptr + seq), clip_low, clip_high,
-                           beta, delta, w_is, HAS_REF, HAS_IS, BIAS_KL)
+        coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), adv, tl.load(w_ptr + seq), lo, hi,
+                           beta, delta, w_is, tau_pos, tau_neg, HAS_REF, HAS_IS, BIAS_KL, SURROGATE)
         _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC_X, BLOCK)
 
 
@@ -267,20 +274,22 @@ def _logprob_grad_kernel(
     is_ptr,  # importance weights [N] fp32 (GRPO coefficient, HAS_IS)
     g_ptr,  # out: gradient [N, V], rows `stride_g` apart
     N, T, V, stride_x, stride_g,
-    clip_low, clip_high, beta, delta, inv,  # delta: +inf without one; inv: the inverse temperature (SCALE)
+    lo, hi, beta, delta, tau_pos, tau_neg, inv,  # lo, hi: the ratio's bounds; delta: +inf without one; tau_*: SAPO's
+    # temperatures; inv: the inverse temperature (SCALE)
     # Meta-parameters
     COEF_FROM_PTR: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     VEC: tl.constexpr,  # elements per 16 bytes of the logits and the gradient
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    clip_low, clip_high, beta, inv = _f32(clip_low), _f32(clip_high), _f32(beta), _f32(inv)  # Inductor: fp64
-    delta = _f32(delta)
+    lo, hi, beta, inv = _f32(lo), _f32(hi), _f32(beta), _f32(inv)  # Inductor: fp64
+    delta, tau_pos, tau_neg = _f32(delta), _f32(tau_pos), _f32(tau_neg)
     action = tl.load(ids_ptr + row).to(tl.int64)
     active = (tl.load(mask_ptr + row) != 0) & (action >= 0) & (action < V)
     logp = tl.load(out_ptr + row)
@@ -292,7 +301,8 @@ def _logprob_grad_kernel(
         adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
         w_is = tl.load(is_ptr + row) if HAS_IS else adv
         coef = _token_coef(logp, tl.load(out_ptr + N + row), tl.load(old_ptr + row), adv, tl.load(w_ptr + seq),
-                           clip_low, clip_high, beta, delta, w_is, HAS_REF, HAS_IS, BIAS_KL) * tl.load(coef_ptr)
+                           lo, hi, beta, delta, w_is, tau_pos, tau_neg, HAS_REF, HAS_IS, BIAS_KL, SURROGATE
+                           ) * tl.load(coef_ptr)
     _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC, BLOCK)
 
 
@@ -316,9 +326,9 @@ def block(V: int) -> int:
     return max(16, min(BLOCK_V, triton.next_power_of_2(V)))
 
 
-def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, clip_low=0.0,
-                   clip_high=0.0, beta=0.0, inv=1.0, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False
-                   ) -> torch.Tensor:
+def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, lo=0.0,
+                   hi=0.0, beta=0.0, inv=1.0, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
+                   surrogate=0, taus=(1.0, 1.0)) -> torch.Tensor:
     """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one): per-token
     `[3, N]` log-probs of the logits times `inv` (the fp32 inverse temperature); `err [1]` (int32, zeroed by the
     caller; or None) is set to 1 when an active id is out of range. Single pass (`grad`): `adv` is `[B]` or `[B, T]`
@@ -337,15 +347,17 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
         x, r if given is None else given, flat(ids), flat(mask), out, out if err is None else err,
         flat(old) if single else out, flat(adv) if single else out, weight if single else out,
         out if is_ratio is None else is_ratio, g, N, policy.shape[1], V, x.stride(0), r.stride(0), g.stride(0),
-        clip_low, clip_high, beta, delta, inv, HAS_REF=ref is not None or given is not None,
-        HAS_IS=single and is_ratio is not None, BIAS_KL=bias_kl, REF_ROWS=ref is not None, SINGLE_PASS=single,
+        lo, hi, beta, delta, *taus, inv, HAS_REF=ref is not None or given is not None,
+        HAS_IS=single and is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=surrogate, REF_ROWS=ref is not None,
+        SINGLE_PASS=single,
         TOKEN_ADV=single and adv.dim() == 2, SCALE=inv != 1.0, FLAG_IDS=err is not None, VEC_X=16 // x.element_size(),
         VEC_R=16 // r.element_size(), BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
-def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight=None, clip_low=0.0, clip_high=0.0,
-                beta=0.0, has_ref=False, inv=1.0, delta=math.inf, is_ratio=None, bias_kl=False) -> torch.Tensor:
+def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight=None, lo=0.0, hi=0.0,
+                beta=0.0, has_ref=False, inv=1.0, delta=math.inf, is_ratio=None, bias_kl=False, surrogate=0,
+                taus=(1.0, 1.0)) -> torch.Tensor:
     """Second pass: the gradient `[B, T, V]` in the logits dtype. `coef` is per token `[B, T]`, or, with `old` /
     `adv` (`[B]` or `[B, T]`) / `weight`, the scalar `d loss / d loss` that scales the in-kernel GRPO coefficient;
     `inv`: the fp32 inverse temperature the forward scaled the logits by."""
@@ -358,8 +370,9 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
     launch(pick(_GRAD, V, x.stride(0), grad.stride(0)))[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old),
         out if from_ptr else flat(adv), out if from_ptr else weight, out if is_ratio is None else is_ratio, grad, N,
-        policy.shape[1], V, x.stride(0), grad.stride(0), clip_low, clip_high, beta, delta, inv,
+        policy.shape[1], V, x.stride(0), grad.stride(0), lo, hi, beta, delta, *taus, inv,
         COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, HAS_IS=not from_ptr and is_ratio is not None, BIAS_KL=bias_kl,
+        SURROGATE=surrogate,
         TOKEN_ADV=not from_ptr and adv.dim() == 2, SCALE=inv != 1.0, VEC=16 // x.element_size(), BLOCK=block(V),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return grad.view(policy.shape)
