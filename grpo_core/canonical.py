@@ -244,7 +244,7 @@ def normalize(per_sequence: torch.Tensor, counts: torch.Tensor, normalizer: Toke
     - per_sequence_then_mean: `means = sums / fp32(count)` (0 for an empty sequence), `pair_sum(means) /
       fp32(non-empty sequences)`; per_sequence_then_batch_mean: the same means, `/ fp32(S)`;
     - fixed_constant: `pair_sum(sums) / fp32(constant)`; sequences_times_max_length: `pair_sum(sums) / fp32(S * L)`
-      (the integer product, rounded once).
+      (the integer product, rounded once); sequence_sums_then_batch_mean: `pair_sum(sums) / fp32(S)`.
     A batch without any active token gives exactly 0.0 (its token sums are all zero; the denominator is >= 1)."""
     if normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS:
         return pair_sum(per_sequence) / _count(counts.sum())
@@ -258,6 +258,8 @@ def normalize(per_sequence: torch.Tensor, counts: torch.Tensor, normalizer: Toke
         return pair_sum(per_sequence) / fp32(constant, per_sequence)
     if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
         return pair_sum(per_sequence) / fp32(float(counts.numel() * int(constant)), per_sequence)
+    if normalizer is TokenNormalizer.SEQUENCE_SUMS_THEN_BATCH_MEAN:
+        return pair_sum(per_sequence) / _sequences(counts)
     raise AssertionError(normalizer)
 
 
@@ -275,6 +277,8 @@ def token_weights(counts: torch.Tensor, normalizer: TokenNormalizer, constant: f
         return one / fp32(constant, one)
     if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
         return one / fp32(float(counts.numel() * int(constant)), one)
+    if normalizer is TokenNormalizer.SEQUENCE_SUMS_THEN_BATCH_MEAN:
+        return one / _sequences(counts)
     raise AssertionError(normalizer)
 
 

@@ -57,6 +57,7 @@ class TokenNormalizer(str, enum.Enum):
     FIXED_CONSTANT = "fixed_constant"  # sum / normalizer_constant
     PER_SEQUENCE_THEN_BATCH_MEAN = "per_sequence_then_batch_mean"  # the same means over every sequence (TRL: grpo)
     SEQUENCES_TIMES_MAX_LENGTH = "sequences_times_max_length"  # sum / (sequences * max length) (TRL: dr_grpo)
+    SEQUENCE_SUMS_THEN_BATCH_MEAN = "sequence_sums_then_batch_mean"  # sum / sequences (TRL: luspo)
 
 
 class Surrogate(str, enum.Enum):
@@ -68,10 +69,12 @@ class Surrogate(str, enum.Enum):
 
 
 # TRL's and Liger's `loss_type` names: the token normalizer, and the per-token term where it is not the clipped
-# surrogate. (TRL's `luspo` and `vespo` are not computed.)
+# surrogate. (TRL's `vespo` is not computed; its `luspo` is the clipped surrogate under the luspo normalizer, with the
+# token-level ratio: GSPO's sequence-level one is not computed.)
 LOSS_TYPES = {"grpo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, "bnpo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
               "dr_grpo": TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH, "dapo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
-              "cispo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS, "sapo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN}
+              "cispo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS, "sapo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN,
+              "luspo": TokenNormalizer.SEQUENCE_SUMS_THEN_BATCH_MEAN}
 SAPO_TEMPERATURES = (1.0, 1.05)  # TRL's and Liger's defaults (positive, negative advantages)
 
 
@@ -520,8 +523,8 @@ def resolve_normalizer(loss_type: Any, normalizer: Any) -> TokenNormalizer:
         return check_enum(TokenNormalizer, "normalizer", normalizer)
     if not isinstance(loss_type, str) or loss_type not in LOSS_TYPES:
         allowed = ", ".join(repr(name) for name in LOSS_TYPES)
-        raise LossContractError(f"loss_type: expected one of {allowed}, got {loss_type!r} (TRL's 'luspo' and 'vespo' "
-                                f"are not computed)")
+        raise LossContractError(f"loss_type: expected one of {allowed}, got {loss_type!r} (TRL's 'vespo' is not "
+                                f"computed)")
     named = LOSS_TYPES[loss_type]
     if normalizer is not None and surrogate_of(loss_type) is not Surrogate.CLIPPED:
         return check_enum(TokenNormalizer, "normalizer", normalizer)

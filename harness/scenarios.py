@@ -43,7 +43,7 @@ class Scenario:
     delta: float | None = None
     bias_kl: bool = False  # the KL term times the ratio (use_bias_correction_kl)
     is_ratio: str = ""  # importance sampling weights: "token" [S, T], "sequence" [S, 1], or "" (none)
-    loss_type: str | None = None  # 'cispo' or 'sapo': their per-token terms (with the normalizer they name)
+    loss_type: str | None = None  # 'cispo', 'sapo', 'luspo': as TRL's (with the normalizer they name)
     taus: tuple[float, float] | None = None  # SAPO's temperatures (None: TRL's defaults)
 
     @property
@@ -169,6 +169,8 @@ SCENARIOS = {s.name: s for s in [
              is_ratio="sequence"),
     Scenario("sapo_csr", vocab=1000, seed=18, loss_type="sapo", normalizer="per_sequence_then_batch_mean",
              taus=(0.8, 1.6), bias_kl=True, groups={"group_boundaries": (0, 3, 5, 8)}, empty=(4,)),
+    Scenario("luspo_empty", vocab=520, seed=19, loss_type="luspo", normalizer="sequence_sums_then_batch_mean",
+             empty=(1, 6)),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),

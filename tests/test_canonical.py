@@ -257,7 +257,8 @@ def test_deterministic_path_options_match_float64_oracle(source, loss_type, max_
 
 @pytest.mark.parametrize("normalizer,constant", [("per_sequence_then_batch_mean", None),
                                                  ("sequences_times_max_length", 40.0), ("global_active_tokens", None),
-                                                 ("per_sequence_then_mean", None), ("fixed_constant", 7.0)])
+                                                 ("per_sequence_then_mean", None), ("fixed_constant", 7.0),
+                                                 ("sequence_sums_then_batch_mean", None)])
 def test_normalizers_and_their_gradient_weights(normalizer, constant):
     """`normalize` against its float64 formula, and `token_weights` = d normalize / d (a token of the sequence)."""
     from grpo_core.contract import TokenNormalizer
@@ -269,7 +270,8 @@ def test_normalizers_and_their_gradient_weights(normalizer, constant):
     want = {"global_active_tokens": s64.sum() / c64.sum(),
             "per_sequence_then_mean": (s64[active] / c64[active]).sum() / active.sum(),
             "per_sequence_then_batch_mean": (s64[active] / c64[active]).sum() / 9,
-            "fixed_constant": s64.sum() / 7.0, "sequences_times_max_length": s64.sum() / (9 * 40.0)}[normalizer]
+            "fixed_constant": s64.sum() / 7.0, "sequences_times_max_length": s64.sum() / (9 * 40.0),
+            "sequence_sums_then_batch_mean": s64.sum() / 9}[normalizer]
     assert_close_verbose(got, want, atol=0, rtol=3e-7, what=normalizer)
     leaf = sums.clone().requires_grad_(True)
     # d normalize / d sums[i] is the weight of each of sequence i's tokens (a token enters its sequence's sum once)
@@ -277,7 +279,8 @@ def test_normalizers_and_their_gradient_weights(normalizer, constant):
     weights = canonical.token_weights(counts, n, constant)
     assert_close_verbose(weights[active], grad[active], atol=0, rtol=3e-7, what="weights")
     assert bool((weights[~active] == 0).all()) or normalizer in ("global_active_tokens", "fixed_constant",
-                                                                 "sequences_times_max_length")
+                                                                 "sequences_times_max_length",
+                                                                 "sequence_sums_then_batch_mean")
     empty = canonical.normalize(torch.zeros(9), torch.zeros(9, dtype=torch.int64), n, constant)
     assert int(bits(empty)) == 0  # no active token: +0.0
 

@@ -53,7 +53,8 @@ def case(draw) -> tuple[dict, dict, str | None]:
     opts = dict(beta=draw(st.sampled_from([0.0, 0.04])), clip_eps=0.2,
                 clip_eps_high=draw(st.sampled_from([0.2, 0.28])),
                 normalizer=draw(st.sampled_from(["global_active_tokens", "per_sequence_then_mean", "fixed_constant",
-                                                 "per_sequence_then_batch_mean", "sequences_times_max_length"])),
+                                                 "per_sequence_then_batch_mean", "sequences_times_max_length",
+                                                 "sequence_sums_then_batch_mean"])),
                 advantage_std=groups[1], temperature=draw(st.sampled_from([1.0, 0.7])))
     opts["normalizer_constant"] = 9.0 if opts["normalizer"] == "fixed_constant" else None
     opts["max_completion_length"] = 7 if opts["normalizer"] == "sequences_times_max_length" else None

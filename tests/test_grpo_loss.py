@@ -74,6 +74,8 @@ def oracle(policy_logits, ref_logits, action_ids, old_logps, rewards, completion
             return total / (B if normalizer == "per_sequence_then_batch_mean" else max(len(seqs), 1))
         if normalizer == "sequences_times_max_length":
             return tok.sum() / (B * constant)
+        if normalizer == "sequence_sums_then_batch_mean":
+            return tok.sum() / B
         return tok.sum() / constant
 
     policy_loss, kl = norm(pol_tok), norm(kl_tok)
@@ -482,7 +484,8 @@ def _given_advantages(inp: dict, kind: str) -> torch.Tensor:
 SOURCES = ["rewards", "rewards_unbiased_eps", "sequence", "token"]
 LOSS_TYPES = [(None, None, "global_active_tokens", None), ("grpo", None, "per_sequence_then_batch_mean", None),
               ("bnpo", None, "global_active_tokens", None), ("dapo", None, "global_active_tokens", None),
-              ("dr_grpo", None, "sequences_times_max_length", 6), ("dr_grpo", 50, "sequences_times_max_length", 50)]
+              ("dr_grpo", None, "sequences_times_max_length", 6), ("dr_grpo", 50, "sequences_times_max_length", 50),
+              ("luspo", None, "sequence_sums_then_batch_mean", None)]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -630,7 +633,8 @@ def test_masked_advantages_may_hold_anything():
     (dict(temperature=1e-39), r"^temperature: expected a finite float > 0 whose reciprocal .* got 1e-39"),
     (dict(temperature=1e38), r"^temperature: expected a finite float > 0 whose reciprocal .* got 1e\+38"),
     (dict(temperature="0.9"), r"^temperature: expected a float, got str"),
-    (dict(loss_type="cispo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'cispo'"),
+    (dict(loss_type="vespo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', "
+                              r"'luspo', got 'vespo' \(TRL's 'vespo' is not computed\)"),
     (dict(loss_type="GRPO"), r"^loss_type: expected one of"),
     (dict(loss_type="grpo", normalizer="global_active_tokens"),
      r"^loss_type / normalizer: loss_type='grpo' is normalizer='per_sequence_then_batch_mean', but "
@@ -730,7 +734,7 @@ def test_triton_checks_option_values_with_the_native_words():
     inp = make_inputs(4, 3, 11, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
     triton = kernel_registry.get_op("grpo_loss", backend="triton")
     for bad, match in ((dict(temperature=0.0), r"^temperature: expected a finite float > 0"),
-                       (dict(loss_type="sapo"), r"^loss_type: expected one of"),
+                       (dict(loss_type="vespo"), r"^loss_type: expected one of"),
                        (dict(max_completion_length=8), r"^max_completion_length: only used with loss_type='dr_grpo'"),
                        (dict(loss_type="grpo", normalizer="fixed_constant"), r"^loss_type / normalizer: "),
                        (dict(advantage_std="trl"), r"^advantage_std: expected one of")):

@@ -26,7 +26,8 @@ def test_defaults_and_string_enums():
     assert c.sharding.tp_world_size == c.sharding.dp_world_size == 1
     assert c.logprob_contract.num_tokens == 8 * 32 and c.logprob_contract.tile_width == 128
     assert [m.value for m in TokenNormalizer] == ["global_active_tokens", "per_sequence_then_mean", "fixed_constant",
-                                                  "per_sequence_then_batch_mean", "sequences_times_max_length"]
+                                                  "per_sequence_then_batch_mean", "sequences_times_max_length",
+                                                  "sequence_sums_then_batch_mean"]
     assert c.temperature == 1.0 and c.advantages_input.value == "rewards" and c.loss_type is None
     assert make().normalizer is TokenNormalizer.GLOBAL_ACTIVE_TOKENS and make().advantage_std is AdvantageStd.POPULATION
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -195,7 +196,8 @@ def test_fingerprint_sees_the_normalizer_constant_to_the_last_bit():
     (dict(temperature=2.0 ** 127), r"^temperature: expected a finite float > 0 whose reciprocal"),  # 1/t subnormal
     (dict(temperature=True), r"^temperature: expected a float, got bool"),
     (dict(advantages_input="logits"), r"^advantages_input: expected one of 'rewards', 'sequence', 'token'"),
-    (dict(loss_type="sapo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'sapo'"),
+    (dict(loss_type="vespo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', "
+                              r"'luspo', got 'vespo'"),
     (dict(loss_type="dr_grpo", normalizer="fixed_constant", normalizer_constant=64.0),
      r"^loss_type / normalizer: loss_type='dr_grpo' is normalizer='sequences_times_max_length'"),
     (dict(loss_type="grpo", max_completion_length=32), r"^max_completion_length: only used with loss_type='dr_grpo'"),

@@ -1,9 +1,10 @@
-"""TRL's per-token options on every backend: `delta` (two-sided clipping), `use_bias_correction_kl` (the KL term
-times the ratio), the rollout's importance sampling ratio (TRL's `importance_sampling_ratio`, Liger's
-`vllm_is_ratio`; `[B, T]` or `[B, 1]`) and the loss types `cispo` and `sapo` (with its temperatures): the fast paths
-against TRL 1.16's formulas in float64, the deterministic path's two kernel sets bitwise against each other, and the
-same errors for bad values everywhere. (The harness runs them at every TP x DP layout against the goldens: scenarios
-`token_options_bf16`, `linear_token_options`, `cispo_bf16` and `sapo_csr`.)"""
+"""TRL's per-token options on every backend: `delta` (two-sided clipping), `use_bias_correction_kl` (the KL term times
+the ratio), the rollout's importance sampling ratio (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`;
+`[B, T]` or `[B, 1]`) and the loss types `cispo`, `sapo` (with its temperatures) and `luspo` (its normalizer, with the
+token-level ratio): the fast paths against TRL 1.16's formulas in float64, the deterministic path's two kernel sets
+bitwise against each other, and the same errors for bad values everywhere. (The harness runs them at every TP x DP
+layout against the goldens: scenarios `token_options_bf16`, `linear_token_options`, `cispo_bf16`, `sapo_csr` and
+`luspo_empty`.)"""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ CASES = [(dict(delta=1.05), "token"), (dict(delta=1.3, use_bias_correction_kl=Tr
          (dict(use_bias_correction_kl=True), None), (dict(delta=1.1), None), ({}, "token"),
          (dict(loss_type="cispo", clip_eps_high=1.1), "token"), (dict(loss_type="cispo", clip_eps_high=0.9), None),
          (dict(loss_type="sapo", use_bias_correction_kl=True), "sequence"),
-         (dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=3.0), None)]
+         (dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=3.0), None),
+         (dict(loss_type="luspo", delta=1.1), "sequence")]
 IDS = [",".join(f"{k}={v}" for k, v in o.items()) + f",{w}" for o, w in CASES]
 
 
@@ -62,6 +64,8 @@ def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo"
     m = mask.double()
     if loss_type == "sapo":  # grpo's normalizer
         return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if loss_type == "luspo":
+        return (per_token * m).sum(-1).mean()
     return (per_token * m).sum() / m.sum()
 
 
@@ -234,7 +238,7 @@ def test_malformed_importance_weights_raise_everywhere(backend, is_ratio, match)
     (dict(loss_type="sapo", sapo_temperature_pos=0.0), "sapo_temperature_pos: expected a float > 0"),
     (dict(loss_type="sapo", sapo_temperature_neg=float("inf")), "sapo_temperature_neg: expected a float > 0"),
     (dict(loss_type="sapo", sapo_temperature_neg="1"), "sapo_temperature_neg: expected a float > 0"),
-    (dict(loss_type="luspo"), "loss_type: expected one of"),
+    (dict(loss_type="vespo"), "loss_type: expected one of"),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_options_raise_everywhere(backend, options, match):

@@ -1,7 +1,7 @@
 """TRL's `GRPOTrainer` trained with TRL's own loss and with ours (`GRPOCoreTrainer`): the same logged numbers and
-the same parameters after every step, for loss_type grpo, bnpo, dr_grpo and dapo, with and without the KL term, and
-with TRL's `delta` and `use_bias_correction_kl`. vLLM's importance sampling ratio cannot come from a run here (no
-vLLM): both trainers' `_compute_loss` take it on one batch made by the test.
+the same parameters after every step, for loss_type grpo, bnpo, dr_grpo, dapo, cispo and sapo, with and without the
+KL term, and with TRL's `delta`, `use_bias_correction_kl` and SAPO temperatures. vLLM's importance sampling ratio
+cannot come from a run here (no vLLM): both trainers' `_compute_loss` take it on one batch made by the test.
 
 Everything is local and on the CPU: a tiny randomly initialized Llama built from a config, a character-level
 tokenizer built with `tokenizers`, a six-prompt in-memory dataset, a toy reward. No hub access (offline mode is
@@ -9,9 +9,9 @@ forced below). The `trl` extra (in `dev`) pins the versions; without TRL the fil
 
 One run shape serves every case: 4 optimizer steps of 2 accumulated micro-batches of 4 completions each, 2 micro-
 batches per generation and 2 iterations over each generation. So the old log-probs are given (the second pass over
-a batch has ratios away from 1, so tokens get clipped), the loss is scaled for the accumulation, dapo's normalizer
-is the generation batch's token count (not the micro-batch's: `GRPOLinearLoss`'s `num_items_in_batch` path) and
-two generations are made. A small vocabulary makes EOS likely, so completion lengths differ and the four token
+a batch has ratios away from 1, so tokens get clipped), the loss is scaled for the accumulation, dapo's and cispo's
+normalizer is the generation batch's token count (not the micro-batch's: `GRPOLinearLoss`'s `num_items_in_batch`
+path) and two generations are made. A small vocabulary makes EOS likely, so completion lengths differ and the four token
 normalizers really differ. A temperature and an asymmetric clip range (DAPO's 0.2 / 0.28) check that those reach
 the loss. SGD (not Adam) keeps a parameter difference proportional to the gradient difference.
 """
@@ -40,11 +40,16 @@ from grpo_core.integrations.trl import GRPOCoreTrainer, GRPOLinearLoss  # noqa: 
 # TRL 1.16 calls transformers 5.24's deprecated gradient_checkpointing names: their FutureWarnings, not ours
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+# cispo: TRL's recommended epsilon_high (5.0) never binds here; 1.1 does, on the second pass over a generation (the
+# logged cispo_clip_ratio, asserted > 0), and stays clear of the ratios of exactly 1 (up to rounding) of the first.
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]  # sapo: TRL's default temperatures
+LOSS_OPTIONS = {"cispo": dict(epsilon_high=1.1)}  # per loss type, over make_trainer's defaults
+CLIP_RATIO_KEYS = {"cispo": "cispo_clip_ratio", "sapo": None}  # what TRL logs (default: clip_ratio/region_mean)
 # Tolerances. fp32 throughout; the two sides compute the log-probs with different kernels (TRL: its chunked LM
 # head; ours: the canonical fixed-order dots and trees) and sum the token terms in different orders, so they agree
 # to a few fp32 ulps (measured: losses and KLs of 0.01-0.3 within 9e-8, parameters that moved by ~0.1 within
-# 6e-8). A loss or KL may differ by 1e-6 + 1e-5 * |value| (>10x the measured differences): the absolute part because
+# 6e-8; cispo's losses of ~0.9 within 1.2e-7 and parameters within 1.2e-7, sapo's KL of 0.32 within 1.4e-7). A loss
+# or KL may differ by 1e-6 + 1e-5 * |value| (>10x the measured differences): the absolute part because
 # the first step's loss is a cancellation (its advantages sum to ~0: |loss| ~ 1e-8), the relative part because a
 # large k3 KL (exp of a log-prob difference) scales its rounding with it (seen: 1.1e-6 at a KL of 1.5, with a
 # learning rate of 1.0).
@@ -116,29 +121,37 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-def compare(theirs, ours, beta: float, on_policy: bool = False) -> dict:
+def compare(theirs, ours, beta: float, loss_type: str, on_policy: bool = False) -> dict:
     """Asserts agreement step by step; returns the largest differences (printed with `-s`)."""
     (logs_t, params_t, initial), (logs_o, params_o, _) = theirs, ours
-    keys = ["loss", "clip_ratio/region_mean"] + (["kl"] if beta else [])
+    clip_key = CLIP_RATIO_KEYS.get(loss_type, "clip_ratio/region_mean")
+    clip_keys = [] if clip_key is None else [clip_key]
+    # Ours logs the clip ratio TRL logs for the loss type (sapo: none, and TRL none either), nothing else of the kind
+    assert {key for record in logs_o for key in record if "clip_ratio" in key} == set(clip_keys)
+    if clip_key is None:
+        assert not {key for record in logs_t for key in record if "clip_ratio" in key}
+    keys = ["loss", *clip_keys] + (["kl"] if beta else [])
     worst = dict.fromkeys(keys + ["params"], 0.0)
     for step, (lt, lo, pt, po) in enumerate(zip(logs_t, logs_o, params_t, params_o), start=1):
         for key in keys:
             diff = abs(lt[key] - lo[key])
             worst[key] = max(worst[key], diff)
-            limit = 0.0 if key.startswith("clip_ratio") else ATOL + RTOL * abs(lt[key])
+            limit = 0.0 if key == clip_key else ATOL + RTOL * abs(lt[key])
             assert diff <= limit, f"step {step}: {key} {lt[key]!r} (TRL) vs {lo[key]!r} (ours), |diff| {diff:.3e}"
         diff = max_param_diff(pt, po)
         worst["params"] = max(worst["params"], diff)
         assert diff <= PARAM_ATOL, f"step {step}: parameters differ by up to {diff:.3e}"
     # Not vacuous: training moved the parameters, rewards varied within groups, losses are not zero, lengths differ
-    # (so the normalizers differ), and the second pass over a batch clipped tokens (and saw a KL).
+    # (so the normalizers differ), and the second pass over a batch clipped tokens (cispo: its clamp bound; sapo
+    # clips nothing) and saw a KL.
     assert max_param_diff(params_t[-1], initial) > 1e-2
     assert all(record["frac_reward_zero_std"] < 1 for record in logs_t if "frac_reward_zero_std" in record)
     assert max(abs(record["loss"]) for record in logs_t) > 1e-2
     assert any(record["completions/min_length"] < record["completions/max_length"] for record in logs_t
                if "completions/min_length" in record)
-    clipped = max(record["clip_ratio/region_mean"] for record in logs_t)
-    assert clipped == 0.0 if on_policy else clipped > 0  # on-policy, the ratio is exactly 1
+    if clip_key is not None:
+        clipped = max(record[clip_key] for record in logs_t)
+        assert clipped == 0.0 if on_policy else clipped > 0  # on-policy, the ratio is exactly 1
     if beta:
         assert max(record["kl"] for record in logs_t) > 1e-3
     return worst
@@ -147,9 +160,10 @@ def compare(theirs, ours, beta: float, on_policy: bool = False) -> dict:
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_trainer_matches_trl(tiny_model, tmp_path, loss_type, beta):
-    theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta)
-    ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta)
-    worst = compare(theirs, ours, beta)
+    options = LOSS_OPTIONS.get(loss_type, {})
+    theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
+    ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)
+    worst = compare(theirs, ours, beta, loss_type)
     print(f"{loss_type} beta={beta}: largest |TRL - ours|: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
 
 
@@ -157,7 +171,7 @@ def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
     """num_iterations=1, steps_per_generation <= accumulation: TRL passes no old log-probs (ratio exactly 1)."""
     theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type="dapo", beta=0.04, num_iterations=1)
     ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type="dapo", beta=0.04, num_iterations=1)
-    worst = compare(theirs, ours, 0.04, on_policy=True)
+    worst = compare(theirs, ours, 0.04, "dapo", on_policy=True)
     print("on-policy dapo beta=0.04: largest |TRL - ours|: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
 
 
@@ -167,24 +181,30 @@ def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
 # runs, past 1.1 on the second pass over the second generation (step 4); hence epsilon_high=0.05 and delta=1.1.
 # (Below 1 + epsilon_high, TRL's logged clip ratio counts the clamped ratio, the loss's the ratio: they differ.)
 # `use_bias_correction_kl` (the KL times the ratio) changes the gradient from step 2 on (step 1 starts from the
-# reference's parameters: a KL of 0).
+# reference's parameters: a KL of 0). SAPO's temperatures change the gradient only where the ratio is not 1 (its
+# slope there is 1 whatever the temperature), so only through the second pass over a generation.
 DELTA = dict(delta=1.1, epsilon_high=0.05)
+SAPO_TEMPERATURES = dict(sapo_temperature_pos=2.0, sapo_temperature_neg=4.0)
+OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_kl"],  # each proof drops these
+           "sapo temperatures": list(SAPO_TEMPERATURES)}
 
 
 @pytest.mark.parametrize("loss_type, beta, options", [
     ("dapo", 0.0, DELTA),
     ("dapo", 0.04, dict(use_bias_correction_kl=True)),
     ("grpo", 0.04, dict(DELTA, use_bias_correction_kl=True)),
-], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl"])
+    ("sapo", 0.04, SAPO_TEMPERATURES),
+], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl", "sapo_temperatures"])
 def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, options):
     theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
     ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)
-    worst = compare(theirs, ours, beta)
+    worst = compare(theirs, ours, beta, loss_type)
     gaps = {}
-    for name in ("delta", "use_bias_correction_kl"):  # not vacuous: TRL without the option ends elsewhere
-        if name in options:
-            without = {k: v for k, v in options.items() if k != name}
-            plain = train(tiny_model, tmp_path / name, trl.GRPOTrainer, loss_type=loss_type, beta=beta, **without)
+    for name, dropped in OPTIONS.items():  # not vacuous: TRL without the option ends elsewhere
+        if dropped[0] in options:
+            without = {k: v for k, v in options.items() if k not in dropped}
+            plain = train(tiny_model, tmp_path / dropped[0], trl.GRPOTrainer, loss_type=loss_type, beta=beta,
+                          **without)
             gaps[name] = max(max_param_diff(a, b) for a, b in zip(theirs[1], plain[1]))
             assert gaps[name] > 100 * PARAM_ATOL, f"{name} does not change TRL's training: the case proves nothing"
     print(f"{loss_type} beta={beta} {options}: largest |TRL - ours|: "
@@ -253,14 +273,40 @@ def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(loss_type="cispo"), "loss_type"),
-    (dict(loss_type="sapo"), "loss_type"),
+    (dict(loss_type="vespo"), "loss_type"),
     (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
     (dict(loss_type="dr_grpo"), "max_completion_length"),
+    (dict(loss_type="cispo", delta=2.0), "delta"),
+    (dict(loss_type="sapo", delta=2.0), "delta"),
 ])
 def test_linear_loss_refuses(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GRPOLinearLoss(**kwargs)
+
+
+def test_linear_loss_cispo_and_sapo_on_policy():
+    """No longer refused; on-policy (ratio 1) each has a closed form, in float64 here: cispo (Liger's default
+    epsilon_high 0.2 clamps every ratio) `-sum(0.2 * A * logp) / active tokens`, its clip ratio the share of active
+    tokens with A > 0; sapo `mean over sequences of -2 / tau * A` (a sequence without active tokens adds 0), tau
+    the temperature of A's sign, its clip ratio 0."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H, V = 6, 5, 8, 16
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    ids, mask = torch.randint(0, V, (B, T), generator=g), torch.rand(B, T, generator=g) < 0.7
+    mask[0] = False
+    adv = torch.randn(B, generator=g)
+    assert (adv > 0).any() and (adv < 0).any()
+    logp = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, ids[..., None])[..., 0]
+    a_tok = adv.double()[:, None].expand(B, T)[mask]
+    loss, (clip,) = GRPOLinearLoss(beta=0.0, loss_type="cispo")(hidden, weight, ids, mask, adv)
+    assert math.isclose(loss.item(), -(0.2 * a_tok * logp[mask]).sum().item() / mask.sum().item(), rel_tol=1e-5)
+    assert clip.item() == (a_tok > 0).float().mean().item() > 0  # a count over the tokens, divided in fp32
+    for pos, neg in [(1.0, 1.05), (0.5, 3.0)]:  # TRL's defaults, and others: they reach the loss
+        loss, (clip,) = GRPOLinearLoss(beta=0.0, loss_type="sapo", sapo_temperature_pos=pos,
+                                       sapo_temperature_neg=neg)(hidden, weight, ids, mask, adv)
+        tau = torch.where(adv > 0, pos, neg).double()
+        expected = torch.where(mask.any(-1), -2.0 / tau * adv.double(), 0.0).mean().item()
+        assert math.isclose(loss.item(), expected, rel_tol=1e-5) and clip.item() == 0.0
 
 
 @pytest.mark.parametrize("option, value", [("top_entropy_quantile", 0.5), ("off_policy_mask_threshold", 0.5)])

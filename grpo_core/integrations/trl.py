@@ -5,30 +5,39 @@
 `forward(_input, lin_weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
 old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)` with `_input` the last
 hidden states `[B, T, H]`, and the same return `(loss, metrics)`: `metrics = (kl, clip_ratio)` when `beta != 0`,
-`(clip_ratio,)` otherwise, each a mean over the active tokens. It needs torch only.
+`(clip_ratio,)` otherwise, each a mean over the active tokens (cispo's clip ratio: the tokens with ratio >
+epsilon_high and A > 0; sapo's: 0). It needs torch only.
 
 `GRPOCoreTrainer` (needs the `trl` extra: trl 1.16) is TRL's `GRPOTrainer` training on our loss. TRL 1.16 builds no
 Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with its own chunked LM head
 (`add_fused_lm_head`) and applies the loss to the `[B, T]` log-probabilities. The subclass overrides `_compute_loss`
 alone: it runs the backbone for the hidden states of the completion positions and hands them, with the LM head's
 weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation trainer
-does. Generation, rewards, advantages and the old and reference log-probabilities stay TRL's. It logs TRL's `kl`
-(beta != 0) and `clip_ratio/region_mean`; not `entropy` nor the low / high clip ratios, which the loss does not
-compute.
+does. Generation, rewards, advantages and the old and reference log-probabilities stay TRL's. It logs what TRL logs
+of the loss: `kl` (beta != 0) and the clip ratio of the loss type (`clip_ratio/region_mean`; cispo's
+`cispo_clip_ratio`; none for sapo, which clips nothing); not `entropy` nor the low / high clip ratios, which the loss
+does not compute.
 
-TRL's (and Liger's) loss options reach the loss: `delta` (two-sided clipping: the unclipped ratio clamped above at
-delta; below 1 + epsilon_high, the logged `clip_ratio/region_mean` counts the ratio and TRL's the clamped ratio),
-`use_bias_correction_kl` (the k3 KL times the token ratio; TRL 1.16's default) and the vLLM importance sampling
-correction (Liger's `vllm_is_ratio`, TRL's `inputs["importance_sampling_ratio"]`, `[B, T]` or `[B, 1]`, multiplied
-into the surrogate term and not into the KL). The trainer takes them from its config, the ratio exactly when TRL
-applies it (`use_vllm` and `vllm_importance_sampling_correction`).
+Loss types (TRL's semantics; each is the op's `loss_type`): grpo, bnpo, dr_grpo and dapo (the clipped surrogate
+under their token normalizers); cispo (`-sg(min(ratio, epsilon_high)) * A * logp`, the ratio clamped at
+`epsilon_high` itself, normalized as dapo: TRL's `num_items_in_batch`); sapo (`-sigmoid(tau * (ratio - 1)) * 4 / tau
+* A`, tau `sapo_temperature_pos` where A > 0 else `sapo_temperature_neg`, normalized as grpo); luspo (the clipped
+surrogate with the token ratio, each sequence's token sum averaged over the sequences). As in TRL, the
+trainer divides the loss by the accumulation steps except for dapo and cispo, whose normalizer holds them.
 
-Not supported, refused with a `ValueError` naming the argument (the loss is the clipped surrogate plus the k3 KL
-under one token normalizer, nothing else): loss types other than grpo, bnpo, dr_grpo and dapo (cispo, sapo, luspo
-and vespo change the per-token loss); `importance_sampling_level='sequence'` (GSPO's sequence ratio). The trainer
-also refuses what needs the token entropies or a loss term of its own (`top_entropy_quantile`, `entropy_coef`,
-`use_adaptive_entropy`, `off_policy_mask_threshold`, a MoE router loss), logits that the model soft-caps or scales,
-and vision inputs.
+TRL's (and Liger's) loss options reach the loss: `delta` (two-sided clipping, the clipped surrogate's only: the
+unclipped ratio clamped above at delta; below 1 + epsilon_high, the logged `clip_ratio/region_mean` counts the ratio
+and TRL's the clamped ratio), `use_bias_correction_kl` (the k3 KL times the token ratio; TRL 1.16's default) and the
+vLLM importance sampling correction (Liger's `vllm_is_ratio`, TRL's `inputs["importance_sampling_ratio"]`, `[B, T]`
+or `[B, 1]`, multiplied into the policy term and not into the KL). The trainer takes them, and the SAPO
+temperatures, from its config, the ratio exactly when TRL applies it (`use_vllm` and
+`vllm_importance_sampling_correction`).
+
+Not supported, refused with a `ValueError` naming the argument: loss type vespo (its per-token term is not computed);
+`importance_sampling_level='sequence'` (GSPO's sequence ratio); `delta` with cispo or sapo (TRL ignores it there: leave
+it None). The trainer also refuses what needs the token entropies or a loss term of its own (`top_entropy_quantile`,
+`entropy_coef`, `use_adaptive_entropy`, `off_policy_mask_threshold`, a MoE router loss), logits that the model soft-caps
+or scales, and vision inputs.
 """
 
 from __future__ import annotations
@@ -41,13 +50,16 @@ from ..linear import linear_grpo_loss
 
 __all__ = ["GRPOCoreTrainer", "GRPOLinearLoss"]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+BY_NUM_ITEMS = ("dapo", "cispo")  # TRL divides them by `num_items_in_batch`, which holds the accumulation
+CLIP_RATIO_KEYS = {"cispo": "cispo_clip_ratio", "sapo": None}  # TRL's logged clip ratio (default: the region's)
 
 
 class GRPOLinearLoss(torch.nn.Module):
     """Liger's `LigerFusedLinearGRPOLoss` interface on `linear_grpo_loss`. `compiled` and `chunk_size` are accepted
-    and ignored (the op chunks the tokens itself); the SAPO and VESPO parameters only matter to loss types that are
-    refused. `use_ref_model=False` makes the KL term zero (Liger then compares the policy with itself)."""
+    and ignored (the op chunks the tokens itself); the SAPO temperatures reach the loss with loss_type='sapo' only,
+    the VESPO parameters never (vespo is refused). `use_ref_model=False` makes the KL term zero (Liger then compares
+    the policy with itself)."""
 
     def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
@@ -58,17 +70,21 @@ class GRPOLinearLoss(torch.nn.Module):
         super().__init__()
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r} "
-                             f"(cispo, sapo, luspo and vespo change the per-token loss, which grpo-core does not "
-                             f"compute); use Liger's or TRL's own loss for it")
+                             f"(grpo-core does not compute vespo's per-token term); use Liger's or TRL's own loss "
+                             f"for it")
         if importance_sampling_level != "token":
             raise ValueError(f"importance_sampling_level: expected 'token', got {importance_sampling_level!r} "
                              f"(grpo-core computes the per-token ratio, not GSPO's sequence ratio)")
         if loss_type == "dr_grpo" and max_completion_length is None:
             raise ValueError("max_completion_length: expected an int with loss_type='dr_grpo', got None")
+        if delta is not None and loss_type in ("cispo", "sapo"):
+            raise ValueError(f"delta: expected None with loss_type={loss_type!r}, got {delta!r} (two-sided clipping "
+                             f"belongs to the clipped surrogate; TRL ignores it there): leave it None")
         self.beta, self.use_ref_model, self.loss_type = beta, use_ref_model, loss_type
         self.epsilon_low, self.epsilon_high, self.temperature = epsilon_low, epsilon_high, temperature
         self.max_completion_length = max_completion_length
         self.delta, self.use_bias_correction_kl = delta, use_bias_correction_kl
+        self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
 
     def forward(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
                 attention_mask: torch.Tensor, advantages: torch.Tensor, bias: torch.Tensor | None = None,
@@ -78,10 +94,10 @@ class GRPOLinearLoss(torch.nn.Module):
                 num_items_in_batch: torch.Tensor | float | None = None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """`_input [B, T, H]`, `lin_weight [V, H]`, `selected_token_ids`, `attention_mask [B, T]`, `advantages [B]`.
-        `num_items_in_batch` (dapo): the active tokens of the whole generation batch, over all processes; the loss
-        is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this batch,
-        summed over the processes, over the world size). `vllm_is_ratio` `[B, T]` or `[B, 1]`: vLLM's importance
-        sampling ratio, multiplied into each token's surrogate term (not into the KL term)."""
+        `num_items_in_batch` (dapo and cispo): the active tokens of the whole generation batch, over all processes;
+        the loss is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this
+        batch, summed over the processes, over the world size). `vllm_is_ratio` `[B, T]` or `[B, 1]`: vLLM's
+        importance sampling ratio, multiplied into each token's policy term (not into the KL term)."""
         use_ref = self.use_ref_model and self.beta != 0.0
         if use_ref and ref_per_token_logps is None and ref_input is None:
             raise ValueError("ref_per_token_logps / ref_input: expected one of them with use_ref_model=True and "
@@ -95,29 +111,38 @@ class GRPOLinearLoss(torch.nn.Module):
             ref_bias=ref_bias if use_ref else None, clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high,
             beta=self.beta if use_ref else 0.0, temperature=self.temperature, delta=self.delta,
             use_bias_correction_kl=self.use_bias_correction_kl, importance_sampling_ratio=vllm_is_ratio,
-            **self._normalizer(attention_mask, num_items_in_batch))
+            **self._sapo_temperatures(), **self._normalizer(attention_mask, num_items_in_batch))
         metrics = (result.clip_fraction,)
         if self.beta != 0.0:
             metrics = (result.kl_token_mean if use_ref else torch.zeros_like(result.clip_fraction), *metrics)
         return result.loss, metrics
 
+    def _sapo_temperatures(self) -> dict[str, float]:
+        """The op refuses the SAPO temperatures with another loss type."""
+        if self.loss_type != "sapo":
+            return {}
+        return {"sapo_temperature_pos": self.sapo_temperature_pos, "sapo_temperature_neg": self.sapo_temperature_neg}
+
     def _normalizer(self, mask: torch.Tensor, num_items_in_batch: Any) -> dict[str, Any]:
-        """The op's normalizer arguments for this loss type. Only dapo's can differ from this batch's own: TRL
-        divides by the generation batch's active tokens over the processes (`num_items_in_batch / world`)."""
+        """The op's loss type and normalizer arguments. Only dapo's and cispo's normalizer can differ from this
+        batch's own: TRL divides both by the generation batch's active tokens over the processes
+        (`num_items_in_batch / world`), given to the op as a fixed constant; cispo's `loss_type` still names its
+        per-token term (dapo's, the clipped surrogate, is the op's default)."""
         if self.loss_type == "dr_grpo":
             return {"loss_type": "dr_grpo", "max_completion_length": self.max_completion_length}
-        if self.loss_type != "dapo":
+        if self.loss_type not in BY_NUM_ITEMS:
             return {"loss_type": self.loss_type}
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if num_items_in_batch is None:
             if world == 1:
-                return {"loss_type": "dapo"}
+                return {"loss_type": self.loss_type}
             count = mask.sum().to(torch.float32)
             dist.all_reduce(count)
             num_items_in_batch = count
         constant = max(float(num_items_in_batch) / world, 1.0)
-        return {"normalizer": "fixed_constant", "normalizer_constant": constant}
+        term = {"loss_type": "cispo"} if self.loss_type == "cispo" else {}
+        return {**term, "normalizer": "fixed_constant", "normalizer_constant": constant}
 
 
 def __getattr__(name: str) -> Any:
@@ -138,7 +163,8 @@ def _grpo_core_trainer() -> type:
 
     class GRPOCoreTrainer(GRPOTrainer):
         """TRL's `GRPOTrainer` with grpo-core's fused linear GRPO loss: same arguments, same training loop, same
-        logged `loss`, `kl` and `clip_ratio/region_mean`. See the module docstring for what it refuses."""
+        logged `loss`, `kl` and clip ratio (`clip_ratio/region_mean`, cispo's `cispo_clip_ratio`, none for sapo).
+        See the module docstring for what it refuses."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
@@ -164,7 +190,8 @@ def _grpo_core_trainer() -> type:
                 epsilon_high=self.epsilon_high, loss_type=self.loss_type,
                 max_completion_length=self.max_completion_length,
                 importance_sampling_level=self.importance_sampling_level, temperature=self.temperature,
-                delta=a.delta, use_bias_correction_kl=a.use_bias_correction_kl)
+                delta=a.delta, use_bias_correction_kl=a.use_bias_correction_kl,
+                sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg)
             self.grpo_core_redirection = _ForwardRedirection()
 
         def _compute_loss(self, model, inputs):
@@ -178,11 +205,13 @@ def _grpo_core_trainer() -> type:
             unwrapped = self.accelerator.unwrap_model(model)
             loss, metrics = self.grpo_core_redirection(model, unwrapped, self._grpo_core_loss, unwrapped, inputs,
                                                        num_items)
-            if self.loss_type != "dapo":  # dapo's normalizer already holds the accumulation (as in TRL)
+            if self.loss_type not in BY_NUM_ITEMS:  # their normalizer already holds the accumulation (as in TRL)
                 loss = loss / accumulation
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
             count = mask.sum().to(torch.float32)
-            for key, value in zip(["kl", "clip_ratio/region_mean"][-len(metrics):], metrics):
+            clip_key = CLIP_RATIO_KEYS.get(self.loss_type, "clip_ratio/region_mean")
+            keys = (["kl"] if self.beta != 0.0 else []) + ([] if clip_key is None else [clip_key])
+            for key, value in zip(keys, metrics):  # metrics: (kl, clip ratio) or (clip ratio,)
                 total, tokens = self.accelerator.reduce(torch.stack([value * count, count]), reduction="sum")
                 self._metrics[mode][key].append((total / tokens.clamp(min=1.0)).item())
             return loss

@@ -34,4 +34,6 @@ def finish_options(normalizer: TokenNormalizer, constant: float | None, B: int) 
         return True, "constant", float(B)
     if normalizer is TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH:
         return False, "constant", float(B * int(constant))
+    if normalizer is TokenNormalizer.SEQUENCE_SUMS_THEN_BATCH_MEAN:
+        return False, "constant", float(B)
     return False, "constant", constant  # fixed_constant
