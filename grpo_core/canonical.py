@@ -28,7 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .contract import FP32_MAX, AdvantageStd, Surrogate, TokenNormalizer
+from .contract import FP32_MAX, AdvantageStd, Surrogate, TokenNormalizer, to_fp32
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
 TINY = float.fromhex("0x1p-126")  # the smallest normal fp32
@@ -50,8 +50,9 @@ LOG_Q = (float.fromhex("0x1.55557ap-1"), float.fromhex("0x1.995e4cp-2"), float.f
 
 
 def fp32(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A 0-d fp32 tensor on `like`'s device: a Python float rounded to fp32 once, by the same rule everywhere."""
-    return torch.full((), value, dtype=F32, device=like.device)
+    """A 0-d fp32 tensor on `like`'s device: a Python float rounded to fp32 once, by the same rule everywhere (in
+    Python, so that a value just above the largest fp32 that rounds to it is taken, as the Triton kernels take it)."""
+    return torch.full((), to_fp32(value), dtype=F32, device=like.device)
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -309,7 +310,14 @@ def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: t
         return ratio, zero
     d = torch.where(mask, logp_ref - logp, zero)
     kl = exp(d) - d - 1.0
-    return ratio, kl * ratio if bias_kl else kl
+    if not bias_kl:
+        return ratio, kl
+    if not (torch.is_grad_enabled() and logp.requires_grad):
+        return ratio, kl * ratio
+    # autograd of the product would give ((1 - e^d) + kl) * ratio, which cancels to a few digits once d passes ~12;
+    # the gradient is -d * ratio exactly (`token_coef`'s), attached to the product's value
+    slope = (-(d * ratio)).detach()
+    return ratio, (kl * ratio).detach() + slope * (logp - logp.detach())
 
 
 def bounds(clip_eps: float, clip_eps_high: float, surrogate: Surrogate = Surrogate.CLIPPED) -> tuple[float, float]:
@@ -377,7 +385,8 @@ def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor |
     surrogate's derivative is `-ratio * A` where the unclipped branch is the minimum (ties included) and 0 where
     the clipped one is; with `delta`, `-ratio * A` where the minimum's branch passes the ratio through its clamp
     (`ratio <= fp32(delta)`, or `lo <= ratio <= hi`), else 0; times `is_ratio` when given. The k3 KL's is
-    `1 - exp(d)`, `d = logp_ref - logp`, or with `bias_kl` (the KL times the ratio) `((1 - exp(d)) + kl) * ratio`.
+    `1 - exp(d)`, `d = logp_ref - logp`, or with `bias_kl` (the KL times the ratio) `-(d * ratio)`, which is
+    `((1 - exp(d)) + kl) * ratio` without its cancellation (that form loses every digit once `d` passes ~12).
     CISPO: `-(min(ratio, hi) * A)` (its weight is a constant); SAPO: `-((((s * (1 - s)) * 4) * ratio) * A)`,
     `s = sigmoid(tau * (ratio - 1))`. 0.0 on masked tokens. `A`: `[S]` or `[S, T]`. The caller multiplies by
     `grad_output`, then by `fp32(1 / temperature)` when it is not 1."""
@@ -399,10 +408,7 @@ def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor |
         coef = coef * is_ratio
     if logp_ref is not None:
         d = torch.where(mask, logp_ref - logp, 0.0)
-        e = exp(d)
-        dkl = 1.0 - e
-        if bias_kl:
-            dkl = (dkl + ((e - d) - 1.0)) * ratio
+        dkl = -(d * ratio) if bias_kl else 1.0 - exp(d)
         coef = coef + fp32(beta, coef) * dkl
     return torch.where(mask, coef * weights.unsqueeze(-1), 0.0)
 

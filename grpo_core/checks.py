@@ -139,13 +139,13 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         _shape("ref_logps", ref_logps, (B, T), "[B, T]")
         if not ref_logps.is_floating_point():
             raise LossContractError(f"ref_logps: expected a floating dtype, got {ref_logps.dtype}")
-    w = importance_sampling_ratio
-    if w is not None:
-        if tuple(w.shape) not in ((B, T), (B, 1)):
+    weights = importance_sampling_ratio
+    if weights is not None:
+        if tuple(weights.shape) not in ((B, T), (B, 1)):
             raise LossContractError(f"importance_sampling_ratio: expected shape [B, T] = [{B}, {T}] (one per token) or "
-                                    f"[B, 1] = [{B}, 1] (one per sequence), got {list(w.shape)}")
-        if not w.is_floating_point():
-            raise LossContractError(f"importance_sampling_ratio: expected a floating dtype, got {w.dtype}")
+                                    f"[B, 1] = [{B}, 1] (one per sequence), got {list(weights.shape)}")
+        if not weights.is_floating_point():
+            raise LossContractError(f"importance_sampling_ratio: expected a floating dtype, got {weights.dtype}")
     if completion_mask.dim() != 2:
         raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {list(completion_mask.shape)}")
     _shape("completion_mask", completion_mask, (B, T), "[B, T]")
@@ -172,7 +172,7 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         raise LossContractError(f"action_ids: expected dtype int64 or int32, got {action_ids.dtype}")
     if not old_logps.is_floating_point():
         raise LossContractError(f"old_logps: expected a floating dtype, got {old_logps.dtype}")
-    for name, t in (("ref_logits", ref_logits), ("ref_logps", ref_logps), ("importance_sampling_ratio", w),
+    for name, t in (("ref_logits", ref_logits), ("ref_logps", ref_logps), ("importance_sampling_ratio", weights),
                     ("action_ids", action_ids),
                     ("old_logps", old_logps), ("rewards", rewards), ("advantages", advantages),
                     ("completion_mask", completion_mask)):
@@ -209,8 +209,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         if bool(bad_ref.any()):
             raise LossContractError(f"ref_logps: expected finite values at active tokens, got non-finite at (b, t) "
                                     f"{_tokens(bad_ref)} (checked in float32)")
-    if w is not None:
-        w32 = w.to(torch.float32)
+    if weights is not None:
+        w32 = weights.to(torch.float32)
         bad_w = mask & ~((w32 >= 0.0) & (w32 < math.inf))  # NaN fails both
         if bool(bad_w.any()):
             raise LossContractError(f"importance_sampling_ratio: expected finite values >= 0 at active tokens, got "

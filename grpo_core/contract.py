@@ -153,6 +153,19 @@ def check_fp32(name: str, value: Any, *, minimum: float, maximum: float = math.i
     return value
 
 
+def check_delta(value: Any) -> float | None:
+    """TRL's `delta`: None, or a float > 0 that is a finite normal float32 once rounded (the unclipped ratio is
+    clamped at it; devices that flush subnormals would disagree). Returns the Python float, unrounded."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LossContractError(f"delta: expected a float or None, got {type(value).__name__} {value!r}")
+    if not FP32_TINY <= to_fp32(float(value)) <= FP32_MAX:  # NaN fails too
+        raise LossContractError(f"delta: expected a float > 0 that is a finite normal float32 (about 1.18e-38 to "
+                                f"3.40e+38; the unclipped ratio is clamped at it), got {value!r}")
+    return float(value)
+
+
 def check_temperature(value: Any) -> float:
     """`temperature` must be a float > 0 whose reciprocal, rounded once to float32, is a finite normal float32
     (the logits are multiplied by it): about 2.94e-39 to 8.51e37. Returns the Python float, unrounded."""
@@ -612,11 +625,6 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
     beta = check_fp32("beta", beta, minimum=0.0)
     temperature = check_temperature(temperature)
     normalizer = resolve_normalizer(loss_type, normalizer)
-    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
-        raise LossContractError(f"delta: expected a float or None, got {type(delta).__name__} {delta!r}")
-    if delta is not None and not FP32_TINY <= to_fp32(float(delta)) <= FP32_MAX:  # NaN fails too
-        raise LossContractError(f"delta: expected a float > 0 that is a finite normal float32 (about 1.18e-38 to "
-                                f"3.40e+38; the unclipped ratio is clamped at it), got {delta!r}")
     surrogate = surrogate_of(loss_type)
     if delta is not None and surrogate is not Surrogate.CLIPPED:
         raise LossContractError(f"delta: only used with the clipped surrogate, got delta={delta!r} with "
@@ -638,7 +646,7 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
     if not isinstance(use_bias_correction_kl, bool):
         raise LossContractError(f"use_bias_correction_kl: expected a bool, got {type(use_bias_correction_kl).__name__}"
                                 f" {use_bias_correction_kl!r}")
-    return dict(delta=None if delta is None else float(delta), use_bias_correction_kl=use_bias_correction_kl,
+    return dict(delta=check_delta(delta), use_bias_correction_kl=use_bias_correction_kl,
                 sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1],
                 clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),

@@ -94,12 +94,12 @@ class TorchKernels:
     def lse(self, z, ids, lp: LogprobContract, tp_group, inv) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_lse(z, torch.arange(z.shape[0], device=z.device), ids, lp, tp_group, inv)
 
-    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, c: _CoefInputs, inv, dtype) -> torch.Tensor:
+    def dz(self, z, ids, lo, lse, logp, c: _CoefInputs, inv, dtype) -> torch.Tensor:
         lo_t, hi_t = canonical.fp32(c.clip_lo, z), canonical.fp32(c.clip_hi, z)
         one = torch.ones_like(logp, dtype=torch.bool).unsqueeze(1)
-        ratio, _ = canonical.ratio_and_kl(logp.unsqueeze(1), None, old.unsqueeze(1), one)
-        coef = canonical.token_coef(ratio, logp.unsqueeze(1), None if logp_ref is None else logp_ref.unsqueeze(1),
-                                    adv, w, one, lo_t, hi_t, c.beta, c.delta,
+        ratio, _ = canonical.ratio_and_kl(logp.unsqueeze(1), None, c.old.unsqueeze(1), one)
+        coef = canonical.token_coef(ratio, logp.unsqueeze(1), None if c.ref is None else c.ref.unsqueeze(1),
+                                    c.adv, c.w, one, lo_t, hi_t, c.beta, c.delta,
                                     None if c.is_ratio is None else c.is_ratio.unsqueeze(1), c.bias_kl, c.surrogate,
                                     c.taus)
         if inv != 1.0:
@@ -137,7 +137,7 @@ class TritonKernels:
         m, s, sel = gather_tile_stats(stats[0, 0], stats[0, 1], sel[0], ids, lp, tp_group)
         return self.rows.merge_lse(torch.stack([m, s])[None], mask)[0], sel
 
-    def dz(self, z, ids, lo, lse, logp, logp_ref, old, adv, w, c: _CoefInputs, inv, dtype):
+    def dz(self, z, ids, lo, lse, logp, c: _CoefInputs, inv, dtype):
         """Into a buffer of its own (rows padded to 8 columns for TMA). Not over `z`'s own rows: a row's threads
         write columns whose bytes other threads of the row have not read yet (the H200 showed it: a run-to-run test
         moved 4 bits of dH)."""
@@ -145,7 +145,7 @@ class TritonKernels:
         one = torch.ones(1, dtype=torch.float32, device=z.device)
         V = z.shape[1]
         out = torch.empty((z.shape[0], -(-V // 8) * 8), dtype=dtype, device=z.device)[:, :V]
-        return self.rows.grad(z, ids, mask.unsqueeze(1), logp, logp_ref, old, adv, w, lse, one, lo, c.clip_lo,
+        return self.rows.grad(z, ids, mask.unsqueeze(1), logp, c.ref, c.old, c.adv, c.w, lse, one, lo, c.clip_lo,
                               c.clip_hi, c.beta, inv, out=out, delta=c.delta, is_ratio=c.is_ratio, bias_kl=c.bias_kl,
                               surrogate=c.surrogate, taus=c.taus)
 
@@ -222,12 +222,8 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
         if grads is None:
             continue
         inputs, dh, dw, db = grads
-        refs = logp_ref if logp_ref is not None else inputs.ref  # computed here, or given
-        chunk_ref = None if refs is None else refs[start:stop]
-        old = logp[start:stop] if inputs.old is None else inputs.old[start:stop]  # None: on-policy
-        adv, w = inputs.adv[start:stop], inputs.w[start:stop]
-        dz = k.dz(z, a, lo, lse, logp[start:stop], chunk_ref, old, adv, w, inputs.chunk(start, stop), inv,
-                  weight.dtype)
+        c = inputs.chunk(start, stop, logp, logp_ref)
+        dz = k.dz(z, a, lo, lse, logp[start:stop], c, inv, weight.dtype)
         del z
         if dh is not None:
             zero = torch.zeros((stop - start, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
@@ -257,9 +253,15 @@ class _CoefInputs:
     surrogate: Surrogate
     taus: tuple[float, float] | None
 
-    def chunk(self, start: int, stop: int) -> _CoefInputs:
-        """The options, and the importance weights of the chunk's tokens."""
-        return dataclasses.replace(self, is_ratio=None if self.is_ratio is None else self.is_ratio[start:stop])
+    def chunk(self, start: int, stop: int, logp: torch.Tensor, logp_ref: torch.Tensor | None) -> _CoefInputs:
+        """The chunk's tokens' inputs: the old log-probs (the policy's own `logp` when None: on-policy) and the
+        reference's (`logp_ref` computed by the loop, or given)."""
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:stop]
+
+        return dataclasses.replace(self, old=cut(logp if self.old is None else self.old), adv=cut(self.adv),
+                                   w=cut(self.w), ref=cut(logp_ref if logp_ref is not None else self.ref),
+                                   is_ratio=cut(self.is_ratio))
 
 
 class _Grads(torch.autograd.Function):

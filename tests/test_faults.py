@@ -117,6 +117,8 @@ FAULTS = [
      lambda a, lay: a.update(is_ratio=torch.ones_like(a["old"])), "importance_sampling_ratio"),
     ("importance weight -1 at an active token", lambda lay: True, {}, _negative_weight,
      "importance_sampling_ratio: expected finite values >= 0 at active tokens"),
+    ("TP siblings hold different importance weights", lambda lay: lay.tp > 1, _everyone(is_ratio="ones"),
+     lambda a, lay: a.update(is_ratio=torch.full_like(a["old"], 2.0)), "importance_sampling_ratio (at active tokens)"),
     ("TP siblings hold different masks", lambda lay: lay.tp > 1, {}, _flip_mask, "completion_mask"),
     ("call numbers out of step", lambda lay: True, {}, _lose_a_call, "sequence mismatch"),
     ("NaN policy logit at an active token", lambda lay: True, {}, _nan_logit, None),  # after the preflight
@@ -175,6 +177,8 @@ def fault_suite(ctx) -> list[dict]:
                 continue
             for faulty in range(lay.world):
                 a = _args(inp, lay, p, everyone.get("beta", CASE["beta"]), ref="ref" not in everyone)
+                if everyone.get("is_ratio") == "ones":
+                    a["is_ratio"] = torch.ones_like(a["old"])
                 if ctx.rank == faulty:
                     inject(a, lay)
                 error = other = None

@@ -130,17 +130,21 @@ def trl_advantages(rewards, num_generations):
 
 
 def trl(logits, ref_logits, completion_ids, old_per_token_logps, advantages, completion_mask, *, temperature=1.0,
-        beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=None):
+        beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=None,
+        use_bias_correction_kl=False, delta=None):
     """GRPOTrainer._compute_loss (token-level importance sampling): logits / temperature, selective log-softmax,
-    k3 KL, -min(c1 A, clamp(c1) A) + beta kl, then the loss_type's reduction. Also returns the logged `kl` (token
-    mean) and `clip_ratio/region_mean`."""
+    k3 KL (times c1 when bias-corrected), -min(min(c1, delta) A, clamp(c1) A) + beta kl, then the loss_type's
+    reduction. Also returns the logged `kl` (token mean) and `clip_ratio/region_mean`."""
     per_token_logps = _select(logits / temperature, completion_ids)
     with torch.no_grad():
         ref_per_token_logps = _select(ref_logits / temperature, completion_ids)
     per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
     coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+    if use_bias_correction_kl:
+        per_token_kl = per_token_kl * coef_1
     coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(coef_1 * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
+    unclipped = coef_1 if delta is None else torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(unclipped * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
     mask = completion_mask.float()
@@ -288,14 +292,16 @@ def trl_cases(backend=None):
                    ref_per_token_logps=_select(inp["ref_logits"] / temperature, inp["ids"]),
                    completion_mask=inp["mask"], rewards=inp["rewards"], num_generations=UNIFORM,
                    advantages=advantages, temperature=temperature, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
-                   loss_type=loss_type, max_completion_length=max_len)
+                   loss_type=loss_type, max_completion_length=max_len, use_bias_correction_kl=given,
+                   delta=1.1 if given else None)  # TRL 1.16's defaults: True, None
         name = "trl-advantages" if given else "trl"
         yield (f"{name} {loss_type} beta={beta} T={temperature}",
                lambda x, env=env, name=name: run_snippet(name, {**env, "logits": x}, backend),
                lambda x, inp=inp, adv=advantages: trl(x, inp["ref_logits"], inp["ids"], inp["old"], adv, inp["mask"],
                                                       temperature=temperature, beta=beta, epsilon_low=0.2,
                                                       epsilon_high=0.28, loss_type=loss_type,
-                                                      max_completion_length=max_len)[0],
+                                                      max_completion_length=max_len, use_bias_correction_kl=given,
+                                                      delta=1.1 if given else None)[0],
                inp["logits"])
 
 

@@ -119,7 +119,7 @@ def test_backends_match_trl(backend, options, weights):
 
 
 @pytest.mark.parametrize("options, weights", CASES, ids=IDS)
-def test_each_option_changes_the_loss(options, weights):
+def test_each_option_changes_the_gradient(options, weights):
     """Not vacuous: on these inputs each option moves TRL's gradient (delta binds, the weights are not all 1, each
     loss type and temperature changes the term)."""
     _, plain = oracle({}, None)
@@ -200,13 +200,19 @@ def test_bad_importance_weights_raise_everywhere(backend, value):
         _call(backend, w)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_masked_importance_weights_are_not_read(backend):
+@pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton"])
+def test_masked_importance_weights_are_not_read_and_get_no_gradient(backend):
     w = importance_weights("token")
     b, t = (~INPUTS["completion_mask"]).nonzero()[0].tolist()
     poisoned = w.clone()
     poisoned[b, t] = float("nan")
-    assert_bitwise_equal(_call(backend, poisoned), _call(backend, w), "loss")
+    options = dict(delta=1.3, use_bias_correction_kl=True)
+    (la, ga), (lb, gb) = (run(backend, options, weights) for weights in (poisoned, w))
+    assert_bitwise_equal(la, lb, "loss")
+    assert_bitwise_equal(ga, gb, "grad")
+    leaf = w.clone().requires_grad_(True)  # a constant of the loss, like old_logps
+    run(backend, options, leaf)
+    assert leaf.grad is None
 
 
 @pytest.mark.parametrize("is_ratio, match", [
@@ -264,3 +270,26 @@ def test_fingerprint_moves_only_with_the_options():
         contract(loss_type="dapo", normalizer="fixed_constant", normalizer_constant=64.0)
     default_taus = contract(loss_type="sapo", sapo_temperature_neg=1.05)
     assert contract(loss_type="sapo").fingerprint() == default_taus.fingerprint()
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton"])
+def test_bias_corrected_kl_gradient_keeps_its_digits(backend):
+    """`d (kl * ratio) / d logp = -d * ratio` (d = ref - logp), computed so: written as `((1 - e^d) + kl) * ratio` it
+    cancels to a few digits of `e^d` once `d` passes ~12 (the policy far below the reference at the action)."""
+    x = torch.tensor([[[0.0, -18.0], [0.0, -30.0]]], device=DEV).requires_grad_(True)
+    ids, mask = torch.ones(1, 2, dtype=torch.long, device=DEV), torch.ones(1, 2, dtype=torch.bool, device=DEV)
+    logp = torch.log_softmax(x.detach().double(), -1)[..., 1]
+    old, ref, adv = logp.float(), torch.zeros(1, 2, device=DEV), torch.zeros(1, device=DEV)
+    options = dict(use_bias_correction_kl=True)
+    if backend.startswith("distributed"):
+        c = GRPOLossContract(num_sequences=1, padded_seq_len=2, vocab_size=2, beta=0.04, advantages_input="sequence",
+                             determinism_scope="topology_invariant", **options)
+        loss = DistributedGRPOLossOp(backend.split("/")[1]).apply(x, ids, old, contract=c, completion_mask=mask,
+                                                                  advantages=adv, ref_logps=ref).loss
+    else:
+        loss = kernel_registry.get_op("grpo_loss", backend=backend)(x, None, ids, old, None, mask, beta=0.04,
+                                                                     advantages=adv, ref_logps=ref, **options)[0]
+    loss.backward()
+    ratio, d, p = torch.exp(logp - old.double()), -logp, torch.exp(logp)
+    want = -0.04 * d * ratio * (1 - p) / 2  # at the action's logit; two active tokens
+    assert_close_verbose(x.grad[..., 1], want, atol=0, rtol=1e-5, what=f"{backend} grad at the action")

@@ -255,6 +255,24 @@ def test_grad_output_scales_the_gradient(single_pass, temperature):
         assert_close_verbose(x.grad, want * -3.0, atol=1e-7, rtol=1e-6, what="grad * -3")
 
 
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_a_second_backward_through_the_graph(single_pass):
+    """Two-pass mode recomputes: twice the gradient. Single pass handed its stored gradient over (scaled in place):
+    a second scaling would compound the first (it gave 2x once), so the second backward raises."""
+    inp = make_inputs(4, 3, 50, seed=7, device=DEV)
+    want = run(triton, inp, samples_per_prompt=2, single_pass=single_pass)[3]
+    x = inp["policy_logits"].clone().requires_grad_(True)
+    loss = triton(**{**inp, "policy_logits": x}, samples_per_prompt=2, single_pass=single_pass)[0] * 3.0
+    loss.backward(retain_graph=True)
+    if single_pass:
+        with pytest.raises(RuntimeError, match="single_pass: the gradient is computed in the forward and handed over"):
+            loss.backward()
+        assert_bitwise_equal(x.grad, want * 3.0, "the first backward's gradient, untouched")
+    else:
+        loss.backward()
+        assert_close_verbose(x.grad, want * 6.0, atol=1e-7, rtol=1e-6, what="grad of two backwards")
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(action_ids=17), r"action_ids: expected ids in \[0, 17\) at active tokens, got \[17\]"),
     (dict(action_ids=-1), r"action_ids: expected ids in \[0, 17\) at active tokens, got \[-1\]"),
@@ -417,9 +435,15 @@ class TestCompiledOnGPU:
         from grpo_core.triton.ratio_kl import token_logprobs
         inp = make_inputs(6, 8, 1000, seed=2, device="cuda", empty_rows=(1,))  # the MIGRATION cases' 6 sequences
         op = TritonGRPOLossOp()
+        weights = torch.rand(6, 8, generator=torch.Generator().manual_seed(1)).cuda() + 0.5
+        options = {"trl_options": dict(samples_per_prompt=2, delta=1.3, use_bias_correction_kl=True,
+                                       importance_sampling_ratio=weights),
+                   "sapo": dict(samples_per_prompt=2, loss_type="sapo", sapo_temperature_neg=2.0,
+                                importance_sampling_ratio=weights[:, :1])}
         for name, single in ((None, True), (None, False), ("token_tempered_grpo", False), ("unbiased_eps", True),
-                             ("sequence_tempered_dr_grpo", True)):
-            call, kw = migration_call(inp, name) if name else (inp, dict(samples_per_prompt=2))
+                             ("sequence_tempered_dr_grpo", True), ("trl_options", False), ("sapo", True)):
+            call, kw = (inp, options.get(name, dict(samples_per_prompt=2))) if name in (None, *options) else (
+                migration_call(inp, name))
             compiled = torch.compile(lambda x: op(**{**call, "policy_logits": x}, **kw, single_pass=single)[0],
                                      fullgraph=True)
             x = inp["policy_logits"].clone().requires_grad_(True)

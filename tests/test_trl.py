@@ -342,14 +342,15 @@ def test_linear_loss_liger_interface():
     assert metrics[0].item() == 0.0 and loss.item() == plain.item() and len(plain_metrics) == 1
     # Twice the ratio adds the surrogate term once more (the KL term unweighted), per sequence as per token
     per_seq = 0.5 + torch.rand(B, 1, generator=g)
-    by_seq, by_tok = (GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_per_token_logps=ref_logps,
-                                                vllm_is_ratio=r)[0].item() for r in (per_seq, per_seq.expand(B, T)))
+    by_seq, by_tok, by_vec = (GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_per_token_logps=ref_logps,
+                                                        vllm_is_ratio=r)[0].item()
+                              for r in (per_seq, per_seq.expand(B, T), per_seq[:, 0]))  # [B]: Liger's [B, 1]
     doubled = GRPOLinearLoss(beta=0.04)(hidden, weight, ids, mask, adv, ref_per_token_logps=ref_logps,
                                         vllm_is_ratio=2 * per_seq)[0].item()
     surrogate = GRPOLinearLoss(beta=0.0)(hidden, weight, ids, mask, adv, vllm_is_ratio=per_seq)[0].item()
     kl_term = 0.04 * by_logps[1][0].item()  # a ratio on it would add over half of it (the ratios are >= 0.5)
     assert abs(surrogate) > 1e-3 and kl_term > 1e-3 * abs(surrogate)  # not vacuous: neither term is negligible
-    assert by_seq == by_tok and math.isclose(doubled - by_seq, surrogate, rel_tol=1e-5)
+    assert by_seq == by_tok == by_vec and math.isclose(doubled - by_seq, surrogate, rel_tol=1e-5)
 
 
 def test_loss_module_imports_without_trl():

@@ -406,8 +406,8 @@ class _TritonKernels:
                 return
             seqs = flags.nonzero().flatten()[:8].tolist()
             raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage, "
-                                    f"old or reference log-prob, or a non-finite log-prob) on another rank, which "
-                                    f"names it")
+                                    f"old or reference log-prob, importance sampling ratio, or a non-finite "
+                                    f"log-prob) on another rank, which names it")
 
         if c.check_values == "sync":
             pending.raise_now(flag, recheck)

@@ -157,7 +157,8 @@ def _compare(mine: dict, theirs: dict, axis: str) -> list[str]:
             differ(f"{name} ([dtype, device, shape] or type; '*': the dim the {axis.upper()} axis shards)", x, y)
     if axis == "tp" and lo["replicated"] != hi["replicated"]:
         out.append(f"{who}: preflight: they hold different completion_mask / action_ids / old_logps / rewards / "
-                   f"advantages / ref_logps (at active tokens); every rank of a TP group must pass the same ones")
+                   f"advantages / ref_logps / importance_sampling_ratio (at active tokens); every rank of a TP group "
+                   f"must pass the same ones")
     return out
 
 

@@ -97,7 +97,10 @@ class GRPOLinearLoss(torch.nn.Module):
         `num_items_in_batch` (dapo and cispo): the active tokens of the whole generation batch, over all processes;
         the loss is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this
         batch, summed over the processes, over the world size). `vllm_is_ratio` `[B, T]` or `[B, 1]`: vLLM's
-        importance sampling ratio, multiplied into each token's policy term (not into the KL term)."""
+        importance sampling ratio, multiplied into each token's policy term (not into the KL term); `[B]`, one per
+        sequence, is taken as `[B, 1]`, as Liger does."""
+        if isinstance(vllm_is_ratio, torch.Tensor) and vllm_is_ratio.dim() == 1:
+            vllm_is_ratio = vllm_is_ratio.unsqueeze(-1)
         use_ref = self.use_ref_model and self.beta != 0.0
         if use_ref and ref_per_token_logps is None and ref_input is None:
             raise ValueError("ref_per_token_logps / ref_input: expected one of them with use_ref_model=True and "
@@ -163,8 +166,9 @@ def _grpo_core_trainer() -> type:
 
     class GRPOCoreTrainer(GRPOTrainer):
         """TRL's `GRPOTrainer` with grpo-core's fused linear GRPO loss: same arguments, same training loop, same
-        logged `loss`, `kl` and clip ratio (`clip_ratio/region_mean`, cispo's `cispo_clip_ratio`, none for sapo).
-        See the module docstring for what it refuses."""
+        logged `loss`, `kl` and clip ratio (`clip_ratio/region_mean`, cispo's `cispo_clip_ratio`, none for sapo; with
+        `delta` below 1 + epsilon_high TRL counts the clamped ratio, ours the ratio). See the module docstring for what
+        it refuses."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)

@@ -278,10 +278,10 @@ def sigmoid(x):
 
 
 @triton.jit
-def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, tau_pos, tau_neg,
+def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w_is, tau_pos, tau_neg,
                  HAS_REF: tl.constexpr, HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr, SURROGATE: tl.constexpr):
     """`canonical.ratio_and_kl` and `canonical.clipped_surrogate` of one block of tokens (`delta`: +inf without
-    one, where `min` changes nothing; `w`: the importance weights, HAS_IS; SURROGATE: 0 clipped, 1 CISPO, 2 SAPO)."""
+    one, where `min` changes nothing; `w_is`: the importance weights, HAS_IS; SURROGATE: 0 clipped, 1 CISPO, 2 SAPO)."""
     ratio = exp(tl.where(active, logp - old, 0.0))
     if SURROGATE == 1:
         policy = -((_min(ratio, clip_hi) * adv) * logp)
@@ -291,7 +291,7 @@ def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, t
     else:
         policy = -_min(_min(ratio, delta) * adv, _min(_max(ratio, clip_lo), clip_hi) * adv)
     if HAS_IS:
-        policy = policy * w
+        policy = policy * w_is
     kl = tl.zeros_like(ratio)
     if HAS_REF:
         d = tl.where(active, logp_ref - logp, 0.0)
@@ -350,13 +350,13 @@ def _sequence_kernel(
             adv = tl.load(adv_ptr + b * T + t, mask=active, other=0.0)
         else:  # the sequence's advantage at every token
             adv = tl.load(adv_ptr + b + 0 * t, mask=active, other=0.0)
-        w = tl.load(is_ptr + b * T + t, mask=active, other=0.0) if HAS_IS else adv
-        ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w, tau_pos,
+        w_is = tl.load(is_ptr + b * T + t, mask=active, other=0.0) if HAS_IS else adv
+        ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w_is, tau_pos,
                                          tau_neg, HAS_REF, HAS_IS, BIAS_KL, SURROGATE)
         finite = ((tl.abs(logp) < float("inf")) & (tl.abs(logp_ref) < float("inf")) & (tl.abs(old) < float("inf"))
                   & (tl.abs(adv) < float("inf")) & (ids >= 0) & (ids < vocab))
         if HAS_IS:
-            finite = finite & (w >= 0.0) & (w < float("inf"))
+            finite = finite & (w_is >= 0.0) & (w_is < float("inf"))
         if CHECK_MASK:
             finite = finite & (raw == 1)
         bad = tl.maximum(bad, (active & ~finite).to(tl.int32))
@@ -526,10 +526,10 @@ def _grad_kernel(
             coef = coef * tl.load(is_ptr + row)
         if HAS_REF:
             d = logp_ref - logp
-            e = exp(d)
-            dkl = 1.0 - e
             if BIAS_KL:
-                dkl = (dkl + ((e - d) - 1.0)) * ratio
+                dkl = -(d * ratio)
+            else:
+                dkl = 1.0 - exp(d)
             coef = coef + beta * dkl
         coef = (coef * tl.load(w_ptr + seq)) * tl.load(g_out_ptr)
         if SCALE:

@@ -8,7 +8,8 @@ group's advantage, its token sums, the bad-value checks) and one program for the
 
 Single-pass mode (`single_pass=True`): the advantages and the normalizer weights are known before the pass, so
 the forward kernel computes `coef` right after the row's log-sum-exp and writes the gradient in the same program;
-the backward only hands it over (scaled in place by a kernel that returns at once when `grad_output == 1`). It
+the backward only hands it over (scaled in place by a kernel that returns at once when `grad_output == 1`), once: a
+second backward through the same graph (`retain_graph=True`) raises. It
 saves HBM traffic only if the gradient loop's re-read of the policy row hits L2; on the H200 (bf16, 8192 rows of
 64-297 KiB in flight) it mostly does not, and the two-pass kernels took less GPU time at every profiled
 vocabulary (benchmarks/README.md), so two-pass is the default. Memory: both hold one gradient (logits dtype) at the
@@ -130,9 +131,9 @@ def _sequence_kernel(
             else:
                 policy = -tl.minimum(tl.minimum(ratio, delta) * a, tl.minimum(tl.maximum(ratio, lo), hi) * a)
             if HAS_IS:
-                w = tl.load(is_ptr + row, mask=active, other=0.0)
-                finite = finite & (w >= 0.0) & (w < float("inf"))
-                policy = policy * w
+                w_is = tl.load(is_ptr + row, mask=active, other=0.0)
+                finite = finite & (w_is >= 0.0) & (w_is < float("inf"))
+                policy = policy * w_is
             acc_policy += tl.where(active, policy, 0.0)
             if HAS_REF:
                 logp_ref = tl.load(out_ptr + N + row, mask=inside, other=0.0)
@@ -323,12 +324,16 @@ class _GRPOLoss(torch.autograd.Function):
             if torch.compiler.is_compiling():
                 grad = grpo_backward(policy, ids, mask, out, old, adv, weight, is_ratio, grad_loss, *ctx.opts)
             else:
-                *clip, delta, bias_kl, surrogate, tau_pos, tau_neg = ctx.opts
-                grad = launch_grad(lambda k: k, policy, ids, mask, out, grad_loss, old, adv, weight, *clip, delta,
+                *rest, delta, bias_kl, surrogate, tau_pos, tau_neg = ctx.opts  # rest: lo, hi, beta, has_ref, inv
+                grad = launch_grad(lambda k: k, policy, ids, mask, out, grad_loss, old, adv, weight, *rest, delta,
                                    is_ratio, bias_kl, surrogate, (tau_pos, tau_neg))
         elif torch.compiler.is_compiling():
             grad = grad * grad_loss.to(grad.dtype)
         else:  # scaled in place by a kernel that does nothing when grad_loss == 1: no device sync, no extra pass
+            if getattr(ctx, "handed_over", False):  # a second scaling would compound the first
+                raise RuntimeError("single_pass: the gradient is computed in the forward and handed over once (scaled "
+                                   "in place); call the loss again, or use single_pass=False, for another backward")
+            ctx.handed_over = True
             g = grad.view(grad.shape[0] * grad.shape[1], grad.shape[2])  # `inplace`: the logits' row stride
             if g.shape[0] > 0:
                 pick(_SCALE, g.shape[1], g.stride(0))[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0),

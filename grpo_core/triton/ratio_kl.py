@@ -131,10 +131,10 @@ def _token_coef(logp, logp_ref, old, adv, weight, lo, hi, beta, delta, w_is, tau
         coef = coef * w_is
     if HAS_REF:
         d = logp_ref - logp
-        e = tl.exp(d)
-        dkl = 1.0 - e
         if BIAS_KL:
-            dkl = (dkl + ((e - d) - 1.0)) * ratio
+            dkl = -(d * ratio)  # d/dlogp (kl * ratio), exactly: no cancellation
+        else:
+            dkl = 1.0 - tl.exp(d)
         coef += beta * dkl
     return coef * weight
 
@@ -442,9 +442,9 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
     if check_values not in CHECKS:
         raise LossContractError(f"check_values: expected one of {CHECKS}, got {check_values!r}")
     if check_values == "assert" or torch.compiler.is_compiling():
-        torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards, old_logps, advantages or completion_mask "
-                                      "values, non-finite log-probs or a non-finite loss (check_values='sync' gives "
-                                      "the precise error)")
+        torch._assert_async(bad == 0, "grpo_core: bad action_ids, rewards, old_logps, advantages, "
+                                      "importance_sampling_ratio or completion_mask values, non-finite log-probs or a "
+                                      "non-finite loss (check_values='sync' gives the precise error)")
         return
     # What the precise check reads; the logits only lend their shape, dtype and device.
     kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages,
