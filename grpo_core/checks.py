@@ -301,12 +301,10 @@ class LossOptions:
 
     @classmethod
     def of(cls, contract: GRPOLossContract, mask: torch.Tensor) -> LossOptions:
-        taus = None if contract.sapo_temperature_pos is None else (contract.sapo_temperature_pos,
-                                                                   contract.sapo_temperature_neg)
         return cls(mask, contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
                    contract.advantages_input, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
-                   taus)
+                   contract.sapo_temperatures)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,

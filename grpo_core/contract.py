@@ -425,6 +425,11 @@ class GRPOLossContract:
         return surrogate_of(self.loss_type)
 
     @property
+    def sapo_temperatures(self) -> tuple[float, float] | None:
+        """`(sapo_temperature_pos, sapo_temperature_neg)` with loss_type 'sapo' (defaults filled in), else None."""
+        return None if self.sapo_temperature_pos is None else (self.sapo_temperature_pos, self.sapo_temperature_neg)
+
+    @property
     def normalizer_value(self) -> float | None:
         """The constant of the normalizer (`canonical.normalize`'s `constant`): `normalizer_constant` for
         fixed_constant, the max completion length for sequences_times_max_length, else None."""

@@ -437,8 +437,7 @@ class LinearGRPOLossOp:
         adv_tok = adv[seq_of] if adv.dim() == 1 else adv.reshape(-1)[rows]
         inv = inverse_temperature(contract.temperature)
         clip_lo, clip_hi = canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate)
-        taus = None if contract.sapo_temperature_pos is None else (contract.sapo_temperature_pos,
-                                                                   contract.sapo_temperature_neg)
+        taus = contract.sapo_temperatures
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()

@@ -239,12 +239,6 @@ class _Call:
     check_values: str
     is_ratio: torch.Tensor | None  # fp32 [n_local, T], 0.0 on masked tokens (`canonical.given_logprobs`)
 
-    @property
-    def taus(self) -> tuple[float, float] | None:
-        """SAPO's temperatures, or None."""
-        c = self.contract
-        return None if c.sapo_temperature_pos is None else (c.sapo_temperature_pos, c.sapo_temperature_neg)
-
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
 
@@ -289,8 +283,9 @@ class _TorchKernels:
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        sums = torch.stack([self.token_sum(canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta,
-                                                                       c.is_ratio, o.surrogate, logp, c.taus)),
+        policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, c.is_ratio, o.surrogate, logp,
+                                             o.sapo_temperatures)
+        sums = torch.stack([self.token_sum(policy),
                             self.token_sum(kl_tok), local_ratio])
         ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
         return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t)
@@ -322,7 +317,7 @@ class _TorchKernels:
         rows, ids, lse, ratio, adv, lo_t, hi_t = state
         o = c.contract
         coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio,
-                                    o.use_bias_correction_kl, o.surrogate, c.taus)
+                                    o.use_bias_correction_kl, o.surrogate, o.sapo_temperatures)
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
         scaled = coef.reshape(-1)[rows] * grad_loss
@@ -368,7 +363,7 @@ class _TritonKernels:
         o = c.contract
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl,
-                                           o.surrogate, c.taus)
+                                           o.surrogate, o.sapo_temperatures)
         return logp[0], logp_ref, sums, ints, (lse[0], adv)
 
     @staticmethod
@@ -422,4 +417,4 @@ class _TritonKernels:
         o = c.contract
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
                             o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=c.is_ratio,
-                            bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=c.taus)
+                            bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=o.sapo_temperatures)
