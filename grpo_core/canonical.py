@@ -299,20 +299,30 @@ def given_logprobs(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, logps.detach().to(F32), 0.0)
 
 
+def sequence_log_ratio(logp: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's log-ratio of each sequence, fp32 `[S]`: `pair_sum(masked(logp - old)) / fp32(max(count, 1))`, the mean
+    over its active tokens (TRL's `importance_sampling_level="sequence"`); 0.0 for a sequence without one."""
+    return pair_sum(torch.where(mask, logp - old_logps.to(F32), 0.0)) / _count(mask.sum(-1))
+
+
 def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,
-                 exp=exp, bias_kl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 exp=exp, bias_kl: bool = False, sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`ratio = exp(masked(logp - old))` (mask before exp: 1.0 on masked tokens) and `kl = exp(d) - d - 1`
     with `d = masked(logp_ref - logp)` (exactly 0.0 on masked tokens; all zeros without a reference); `bias_kl`
-    (TRL's `use_bias_correction_kl`): `kl * ratio`."""
+    (TRL's `use_bias_correction_kl`): `kl * ratio`. `sequence` (GSPO): every active token's ratio is its sequence's,
+    `exp(sequence_log_ratio)`, and the product `kl * ratio` is differentiated as it stands."""
     zero = torch.zeros_like(logp)
-    ratio = exp(torch.where(mask, logp - old_logps.to(F32), zero))
+    if sequence:
+        ratio = torch.where(mask, exp(sequence_log_ratio(logp, old_logps, mask)).unsqueeze(-1), 1.0)
+    else:
+        ratio = exp(torch.where(mask, logp - old_logps.to(F32), zero))
     if logp_ref is None:
         return ratio, zero
     d = torch.where(mask, logp_ref - logp, zero)
     kl = exp(d) - d - 1.0
     if not bias_kl:
         return ratio, kl
-    if not (torch.is_grad_enabled() and logp.requires_grad):
+    if sequence or not (torch.is_grad_enabled() and logp.requires_grad):
         return ratio, kl * ratio
     # autograd of the product would give ((1 - e^d) + kl) * ratio, which cancels to a few digits once d passes ~12;
     # the gradient is -d * ratio exactly (`token_coef`'s), attached to the product's value
@@ -413,6 +423,35 @@ def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor |
     return torch.where(mask, coef * weights.unsqueeze(-1), 0.0)
 
 
+def sequence_coef(ratio: torch.Tensor, kl: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None,
+                  advantages: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
+                  hi: torch.Tensor, beta: float, delta: float | None = None, is_ratio: torch.Tensor | None = None,
+                  bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED,
+                  taus: tuple[float, float] | None = None) -> torch.Tensor:
+    """`token_coef` where every token reads its sequence's ratio `r = ratio` (GSPO, `ratio_and_kl(...,
+    sequence=True)`; `kl` its per-token KL terms). A token's log-prob moves `log r` by `1 / n` (`n`: the sequence's
+    active tokens), so each token's coefficient is the sequence's chain term plus its own:
+    `pair_sum(through) / fp32(max(n, 1)) + own`, where `through` is `token_coef`'s surrogate term (`r * d policy /
+    dr`, weighted; CISPO's ratio is detached: none), plus `(beta * kl) * weight` with `bias_kl`, and `own` is
+    CISPO's term, plus `(beta * dkl) * weight` with `dkl = 1 - exp(d)` (times `r` with `bias_kl`). 0.0 on masked
+    tokens."""
+    w = weights.unsqueeze(-1)
+    policy = token_coef(ratio, logp, None, advantages, weights, mask, lo, hi, 0.0, delta, is_ratio, False, surrogate,
+                        taus)
+    zero = torch.zeros_like(policy)
+    through, own = (zero, policy) if surrogate is Surrogate.CISPO else (policy, zero)
+    if logp_ref is not None:
+        b = fp32(beta, policy)
+        d = torch.where(mask, logp_ref - logp, 0.0)
+        dkl = 1.0 - exp(d)
+        if bias_kl:
+            through = through + (b * kl) * w
+            dkl = dkl * ratio
+        own = own + (b * dkl) * w
+    chain = pair_sum(torch.where(mask, through, 0.0)) / _count(mask.sum(-1))
+    return torch.where(mask, chain.unsqueeze(-1) + own, 0.0)
+
+
 def clipped_tokens(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
                    hi: torch.Tensor) -> torch.Tensor:
     """TRL's clip indicator, bool `[S, T]`: an active token whose ratio is below `lo` with `A < 0` or above `hi`
@@ -428,10 +467,18 @@ def sequence_metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.
     return pair_sum(torch.where(mask, ratio, 0.0)), clipped_tokens(ratio, advantages, mask, lo, hi).sum(-1)
 
 
-def batch_metrics(ratio_sums: torch.Tensor, kl_sums: torch.Tensor, clipped: torch.Tensor, counts: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_metrics(ratio_sums: torch.Tensor, kl_sums: torch.Tensor, clipped: torch.Tensor, counts: torch.Tensor,
+                  sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a trainer logs, fp32 scalars over the batch's active tokens `N = fp32(sum counts)` (1 when there is
     none): `(clip_fraction, mean_ratio, kl_token_mean) = (fp32(sum clipped) / N, pair_sum(ratio_sums) / N,
-    pair_sum(kl_sums) / N)`; integer sums are exact."""
+    pair_sum(kl_sums) / N)`; integer sums are exact. `sequence` (GSPO): the clip fraction counts sequences, as TRL
+    does there, `sequence_clip_fraction(clipped)`."""
     tokens = _count(counts.sum())
-    return clipped.sum().to(F32) / tokens, pair_sum(ratio_sums) / tokens, pair_sum(kl_sums) / tokens
+    clip = sequence_clip_fraction(clipped) if sequence else clipped.sum().to(F32) / tokens
+    return clip, pair_sum(ratio_sums) / tokens, pair_sum(kl_sums) / tokens
+
+
+def sequence_clip_fraction(clipped: torch.Tensor) -> torch.Tensor:
+    """The clip fraction at the sequence level (GSPO): the sequences with a clipped token (`clipped`, int `[S]`) over
+    all `S` sequences, empty ones included (TRL's mean over `[B, 1]`)."""
+    return (clipped > 0).sum().to(F32) / _sequences(clipped)

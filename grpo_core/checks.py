@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .contract import (AdvantagesInput, AdvantageStd, GRPOLossContract, LossContractError, Surrogate, TokenNormalizer,
-                       check_groups, check_max_length_product, check_no_groups, check_options, normalizer_value,
-                       surrogate_of)
+from .contract import (AdvantagesInput, AdvantageStd, GRPOLossContract, ImportanceSamplingLevel, LossContractError,
+                       Surrogate, TokenNormalizer, check_groups, check_max_length_product, check_no_groups,
+                       check_options, normalizer_value, surrogate_of)
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SHOWN = 8  # how many bad positions an error lists
@@ -298,13 +298,18 @@ class LossOptions:
     bias_kl: bool = False  # the KL term times the ratio (TRL's use_bias_correction_kl)
     surrogate: Surrogate = Surrogate.CLIPPED
     taus: tuple[float, float] | None = None  # SAPO's temperatures (positive, negative advantages)
+    level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN  # the token's own ratio, or its sequence's (GSPO)
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.level is ImportanceSamplingLevel.SEQUENCE
 
     @classmethod
     def of(cls, contract: GRPOLossContract, mask: torch.Tensor) -> LossOptions:
         return cls(mask, contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
                    contract.advantages_input, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
-                   contract.sapo_temperatures)
+                   contract.sapo_temperatures, contract.importance_sampling_level)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
@@ -312,13 +317,15 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                  values: bool = True, *, temperature: Any = 1.0, advantages: Any = None, loss_type: Any = None,
                  max_completion_length: Any = None, ref_logps: Any = None, delta: Any = None,
                  use_bias_correction_kl: Any = False, importance_sampling_ratio: Any = None,
-                 sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None) -> LossOptions:
+                 sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
+                 importance_sampling_level: Any = "token") -> LossOptions:
     """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                       normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
                       loss_type=loss_type, max_completion_length=max_completion_length,
                       rewards_input=advantages is None, delta=delta, use_bias_correction_kl=use_bias_correction_kl,
-                      sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+                      sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                      importance_sampling_level=importance_sampling_level)
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
                         values=values, rewards_required=True, advantages=advantages, ref_logps=ref_logps,
                         importance_sampling_ratio=importance_sampling_ratio)
@@ -337,4 +344,5 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                        o["temperature"], advantages_kind(advantages), o["delta"], o["use_bias_correction_kl"],
                        surrogate_of(loss_type),
                        None if o["sapo_temperature_pos"] is None else (o["sapo_temperature_pos"],
-                                                                       o["sapo_temperature_neg"]))
+                                                                       o["sapo_temperature_neg"]),
+                       o["importance_sampling_level"])

@@ -9,10 +9,11 @@ needs them; the checks of the tensors, and `loss_options`, which turns a plain c
 options, are in `checks.py`.
 
 Options added for users of other GRPO implementations (`temperature`, given `advantages`, `loss_type`,
-`advantage_std="unbiased_eps"`, `delta`, `use_bias_correction_kl`) enter the fingerprint only when they differ from
-their defaults, so that the fingerprint of a contract that does not use them, and every golden recorded with one,
-stays what it was.
-Every backend computes all of them (the fast Triton op and the distributed op in their kernels).
+`advantage_std="unbiased_eps"`, `delta`, `use_bias_correction_kl`, `importance_sampling_level`) enter the fingerprint
+only when they differ from their defaults, so that the fingerprint of a contract that does not use them, and every
+golden recorded with one, stays what it was.
+Every backend computes all of them (the fast Triton op and the distributed op in their kernels; GSPO's sequence ratio
+in the fast op's autograd over `[B, T]`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "AdvantagesInput",
     "DeterminismScope",
     "GRPOLossContract",
+    "ImportanceSamplingLevel",
     "LogprobContract",
     "LossContractError",
     "ShardingSpec",
@@ -68,9 +70,16 @@ class Surrogate(str, enum.Enum):
     SAPO = "sapo"  # -sigmoid(tau (r - 1)) (4 / tau) A, tau = sapo_temperature_pos if A > 0 else sapo_temperature_neg
 
 
+class ImportanceSamplingLevel(str, enum.Enum):
+    """Which ratio each token's terms read (TRL's `importance_sampling_level`)."""
+
+    TOKEN = "token"  # its own: exp(logp - old)
+    SEQUENCE = "sequence"  # its sequence's (GSPO): exp of the mean of logp - old over the sequence's active tokens
+
+
 # TRL's and Liger's `loss_type` names: the token normalizer, and the per-token term where it is not the clipped
-# surrogate. (TRL's `vespo` is not computed; its `luspo` is the clipped surrogate under the luspo normalizer, with the
-# token-level ratio: GSPO's sequence-level one is not computed.)
+# surrogate. (TRL's `vespo` is not computed; its `luspo` is the clipped surrogate under the luspo normalizer, with
+# the ratio of `importance_sampling_level`.)
 LOSS_TYPES = {"grpo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, "bnpo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
               "dr_grpo": TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH, "dapo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
               "cispo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS, "sapo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN,
@@ -342,6 +351,7 @@ class GRPOLossContract:
     use_bias_correction_kl: bool = False  # TRL's: each token's k3 KL term is multiplied by its ratio
     sapo_temperature_pos: float | None = None  # loss_type 'sapo' only (None: 1.0)
     sapo_temperature_neg: float | None = None  # loss_type 'sapo' only (None: 1.05)
+    importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN
     sharding: ShardingSpec | None = None  # None: a single process
     determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
     vocab_tile: int = DEFAULT_VOCAB_TILE
@@ -360,7 +370,8 @@ class GRPOLossContract:
                                 rewards_input=kind is AdvantagesInput.REWARDS, delta=self.delta,
                                 use_bias_correction_kl=self.use_bias_correction_kl,
                                 sapo_temperature_pos=self.sapo_temperature_pos,
-                                sapo_temperature_neg=self.sapo_temperature_neg)
+                                sapo_temperature_neg=self.sapo_temperature_neg,
+                                importance_sampling_level=self.importance_sampling_level)
         for name, value in options.items():
             _set(self, name, value)
         _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
@@ -454,6 +465,8 @@ class GRPOLossContract:
             extra["use_bias_correction_kl"] = True
         if self.surrogate is not Surrogate.CLIPPED:
             extra["surrogate"] = self.surrogate.value
+        if self.importance_sampling_level is not ImportanceSamplingLevel.TOKEN:
+            extra["importance_sampling_level"] = self.importance_sampling_level.value
         if self.surrogate is Surrogate.SAPO:
             extra["sapo_temperatures"] = [self.sapo_temperature_pos.hex(), self.sapo_temperature_neg.hex()]
         return {**extra,
@@ -619,7 +632,8 @@ def check_normalizer_constant(normalizer: TokenNormalizer, constant: Any) -> flo
 def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: Any, normalizer_constant: Any,
                   advantage_std: Any, temperature: Any = 1.0, loss_type: Any = None, max_completion_length: Any = None,
                   rewards_input: bool = True, delta: Any = None, use_bias_correction_kl: Any = False,
-                  sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None) -> dict[str, Any]:
+                  sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
+                  importance_sampling_level: Any = ImportanceSamplingLevel.TOKEN) -> dict[str, Any]:
     """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
     name (`clip_eps_high=None` becomes `clip_eps`; `normalizer` is resolved with `loss_type`; `advantage_std`
     None becomes population when the op takes rewards, `rewards_input`; `delta` None: no upper clamp). Every float
@@ -651,7 +665,9 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
     if not isinstance(use_bias_correction_kl, bool):
         raise LossContractError(f"use_bias_correction_kl: expected a bool, got {type(use_bias_correction_kl).__name__}"
                                 f" {use_bias_correction_kl!r}")
+    level = check_enum(ImportanceSamplingLevel, "importance_sampling_level", importance_sampling_level)
     return dict(delta=check_delta(delta), use_bias_correction_kl=use_bias_correction_kl,
+                importance_sampling_level=level,
                 sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1],
                 clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),

@@ -10,7 +10,9 @@ This rank's active tokens go through in chunks of a fixed number of tokens. Per 
 canonical tile statistics and log-sum-exp of `vocab_parallel_logprob.py` (gathered over TP), the log-probs, and,
 when a gradient is wanted, `dz = coef * (onehot - softmax)` (`canonical.token_coef`, the advantages and the
 normalizer's token weights being known before the pass), cast to the weight's dtype, then `dH = dz W` and
-`dW += dz^T h` (and the bias' column sums). Three matmuls per token, nothing recomputed; the gradients are ready
+`dW += dz^T h` (and the bias' column sums). Three matmuls per token, nothing recomputed (GSPO's
+`importance_sampling_level="sequence"`: four, the logits computed twice, since a token's coefficient needs every
+log-prob of its sequence; the first pass computes only the log-probs); the gradients are ready
 when the forward returns and are scaled by `grad_output` in the backward (exact when it is 1.0, as after
 `loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in fp32 until then).
 
@@ -48,8 +50,8 @@ import torch.distributed as dist
 
 from . import canonical
 from .checks import check_derived_advantages, check_inputs, check_loss, check_tensor, stand_in
-from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
-                       Surrogate, check_temperature, inverse_temperature)
+from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LogprobContract,
+                       LossContractError, Surrogate, check_temperature, inverse_temperature)
 from .distributed.grpo_loss import gather_sequences
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -95,13 +97,16 @@ class TorchKernels:
         return vocab_parallel_lse(z, torch.arange(z.shape[0], device=z.device), ids, lp, tp_group, inv)
 
     def dz(self, z, ids, lo, lse, logp, c: _CoefInputs, inv, dtype) -> torch.Tensor:
-        lo_t, hi_t = canonical.fp32(c.clip_lo, z), canonical.fp32(c.clip_hi, z)
-        one = torch.ones_like(logp, dtype=torch.bool).unsqueeze(1)
-        ratio, _ = canonical.ratio_and_kl(logp.unsqueeze(1), None, c.old.unsqueeze(1), one)
-        coef = canonical.token_coef(ratio, logp.unsqueeze(1), None if c.ref is None else c.ref.unsqueeze(1),
-                                    c.adv, c.w, one, lo_t, hi_t, c.beta, c.delta,
-                                    None if c.is_ratio is None else c.is_ratio.unsqueeze(1), c.bias_kl, c.surrogate,
-                                    c.taus)
+        if c.coef is not None:
+            coef = c.coef.unsqueeze(1)
+        else:
+            lo_t, hi_t = canonical.fp32(c.clip_lo, z), canonical.fp32(c.clip_hi, z)
+            one = torch.ones_like(logp, dtype=torch.bool).unsqueeze(1)
+            ratio, _ = canonical.ratio_and_kl(logp.unsqueeze(1), None, c.old.unsqueeze(1), one)
+            coef = canonical.token_coef(ratio, logp.unsqueeze(1), None if c.ref is None else c.ref.unsqueeze(1),
+                                        c.adv, c.w, one, lo_t, hi_t, c.beta, c.delta,
+                                        None if c.is_ratio is None else c.is_ratio.unsqueeze(1), c.bias_kl,
+                                        c.surrogate, c.taus)
         if inv != 1.0:
             coef = coef * canonical.fp32(inv, coef)
         out = torch.empty(z.shape, dtype=dtype, device=z.device)
@@ -147,7 +152,7 @@ class TritonKernels:
         out = torch.empty((z.shape[0], -(-V // 8) * 8), dtype=dtype, device=z.device)[:, :V]
         return self.rows.grad(z, ids, mask.unsqueeze(1), logp, c.ref, c.old, c.adv, c.w, lse, one, lo, c.clip_lo,
                               c.clip_hi, c.beta, inv, out=out, delta=c.delta, is_ratio=c.is_ratio, bias_kl=c.bias_kl,
-                              surrogate=c.surrogate, taus=c.taus)
+                              surrogate=c.surrogate, taus=c.taus, coef=c.coef)
 
     def dhidden(self, dz, w, acc, width):  # TP shards start on tiles: a K step that divides the tile width
         return self.mm(dz, w, acc, accumulate=True, block_k=min(width, 64))
@@ -252,6 +257,7 @@ class _CoefInputs:
     bias_kl: bool
     surrogate: Surrogate
     taus: tuple[float, float] | None
+    coef: torch.Tensor | None = None  # GSPO: each token's weighted `d loss / d logp`, computed before the pass
 
     def chunk(self, start: int, stop: int, logp: torch.Tensor, logp_ref: torch.Tensor | None) -> _CoefInputs:
         """The chunk's tokens' inputs: the old log-probs (the policy's own `logp` when None: on-policy) and the
@@ -261,7 +267,7 @@ class _CoefInputs:
 
         return dataclasses.replace(self, old=cut(logp if self.old is None else self.old), adv=cut(self.adv),
                                    w=cut(self.w), ref=cut(logp_ref if logp_ref is not None else self.ref),
-                                   is_ratio=cut(self.is_ratio))
+                                   is_ratio=cut(self.is_ratio), coef=cut(self.coef))
 
 
 class _Grads(torch.autograd.Function):
@@ -438,6 +444,7 @@ class LinearGRPOLossOp:
         inv = inverse_temperature(contract.temperature)
         clip_lo, clip_hi = canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate)
         taus = contract.sapo_temperatures
+        sequence = contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
@@ -462,10 +469,10 @@ class LinearGRPOLossOp:
 
             grads = (inputs, zeros(hidden, (n_local * T, H), hidden.dtype), zeros(weight, weight.shape, torch.float32),
                      zeros(bias, (weight.shape[0],), torch.float32))
-        with torch.no_grad():
-            logp_rows, ref_rows = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
-                                              None if bias is None else bias.detach(), ids, rows, lp, tp_group, inv,
-                                              grads, ref)
+        matrices = (hidden.detach().reshape(-1, H), weight.detach(), None if bias is None else bias.detach())
+        with torch.no_grad():  # GSPO: the log-probs first, the gradients in a second pass (`sequence_coef`)
+            logp_rows, ref_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv, None if sequence else grads,
+                                              ref)
         if ref_rows is None:
             ref_rows = given_ref
         full = torch.zeros(n_local * T, dtype=torch.float32, device=hidden.device)
@@ -479,7 +486,8 @@ class LinearGRPOLossOp:
             0, seq_of, bad.long()), contract, dp_group)
 
         lo_t, hi_t = canonical.fp32(clip_lo, old), canonical.fp32(clip_hi, old)
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl)
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl,
+                                               sequence=sequence)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
         sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta,
                                                                         is_ratio, contract.surrogate, logp, taus)),
@@ -499,7 +507,15 @@ class LinearGRPOLossOp:
             if derived:
                 check_derived_advantages(advantages_all, rewards_all, contract.groups)
             check_loss(loss)
-        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts)
+        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts,
+                                                                           sequence)
+        if grads is not None and sequence:
+            coef = canonical.sequence_coef(ratio, kl_tok, logp, logp_ref, adv, w_tok, mask, lo_t, hi_t, contract.beta,
+                                           contract.delta, is_ratio, contract.use_bias_correction_kl,
+                                           contract.surrogate, taus)
+            with torch.no_grad():
+                _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv,
+                            (dataclasses.replace(grads[0], coef=coef.reshape(-1)[rows]), *grads[1:]))
         if grads is not None:  # each stored gradient with the dtype it is handed over in
             _, dh, dw, db = grads
             loss = _Grads.apply(loss, hidden, weight, bias, [
@@ -541,7 +557,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                      advantage_std: Any = None, vocab_tile: int = DEFAULT_VOCAB_TILE,
                      kernels: str = "auto", delta: float | None = None, use_bias_correction_kl: bool = False,
                      importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
-                     sapo_temperature_neg: float | None = None) -> GRPOLossResult:
+                     sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token"
+                     ) -> GRPOLossResult:
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
     make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
     `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
@@ -557,7 +574,7 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
         advantages_input=kind, loss_type=loss_type, max_completion_length=max_completion_length,
         vocab_tile=vocab_tile, determinism_scope="topology_invariant", delta=delta,
         use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg)
+        sapo_temperature_neg=sapo_temperature_neg, importance_sampling_level=importance_sampling_level)
     return LinearGRPOLossOp(kernels).apply(hidden, weight, action_ids, old_logps, rewards, contract=contract,
                                            completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
                                            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,

@@ -45,6 +45,7 @@ class Scenario:
     is_ratio: str = ""  # importance sampling weights: "token" [S, T], "sequence" [S, 1], or "" (none)
     loss_type: str | None = None  # 'cispo', 'sapo', 'luspo': as TRL's (with the normalizer they name)
     taus: tuple[float, float] | None = None  # SAPO's temperatures (None: TRL's defaults)
+    level: str = "token"  # importance_sampling_level: "sequence" is GSPO's ratio
 
     @property
     def linear(self) -> bool:
@@ -64,7 +65,7 @@ class Scenario:
             clip_eps=self.clip[0], clip_eps_high=self.clip[1], beta=self.beta, normalizer=self.normalizer,
             normalizer_constant=self.normalizer_constant, advantage_std=self.advantage_std, sharding=sharding,
             temperature=self.temperature, determinism_scope="topology_invariant", delta=self.delta,
-            use_bias_correction_kl=self.bias_kl, loss_type=self.loss_type,
+            use_bias_correction_kl=self.bias_kl, loss_type=self.loss_type, importance_sampling_level=self.level,
             **({} if self.taus is None else dict(zip(("sapo_temperature_pos", "sapo_temperature_neg"), self.taus))),
             **self.groups)
 
@@ -171,6 +172,8 @@ SCENARIOS = {s.name: s for s in [
              taus=(0.8, 1.6), bias_kl=True, groups={"group_boundaries": (0, 3, 5, 8)}, empty=(4,)),
     Scenario("luspo_empty", vocab=520, seed=19, loss_type="luspo", normalizer="sequence_sums_then_batch_mean",
              empty=(1, 6)),
+    Scenario("gspo_bf16", vocab=1031, seed=20, dtype="bfloat16", level="sequence", clip=(0.02, 0.03), bias_kl=True,
+             is_ratio="token", empty=(5,), groups={"group_boundaries": (0, 3, 5, 8)}),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),
@@ -178,6 +181,8 @@ SCENARIOS = {s.name: s for s in [
              normalizer="per_sequence_then_batch_mean", clip=(0.2, 0.28)),
     Scenario("linear_token_options", vocab=1000, seed=16, hidden=32, reference="logps", delta=1.3, bias_kl=True,
              is_ratio="sequence", normalizer="per_sequence_then_batch_mean"),
+    Scenario("linear_gspo_luspo", vocab=1000, seed=21, hidden=32, reference="logps", level="sequence",
+             loss_type="luspo", normalizer="sequence_sums_then_batch_mean", clip=(0.02, 0.03), empty=(6,)),
 ]}
 
 

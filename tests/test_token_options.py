@@ -1,10 +1,11 @@
 """TRL's per-token options on every backend: `delta` (two-sided clipping), `use_bias_correction_kl` (the KL term times
 the ratio), the rollout's importance sampling ratio (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`;
-`[B, T]` or `[B, 1]`) and the loss types `cispo`, `sapo` (with its temperatures) and `luspo` (its normalizer, with the
-token-level ratio): the fast paths against TRL 1.16's formulas in float64, the deterministic path's two kernel sets
-bitwise against each other, and the same errors for bad values everywhere. (The harness runs them at every TP x DP
-layout against the goldens: scenarios `token_options_bf16`, `linear_token_options`, `cispo_bf16`, `sapo_csr` and
-`luspo_empty`.)"""
+`[B, T]` or `[B, 1]`), the loss types `cispo`, `sapo` (with its temperatures) and `luspo` (its normalizer) and GSPO's
+sequence-level ratio (`importance_sampling_level="sequence"`, with each of them): the fast paths against TRL 1.16's
+formulas in float64, the deterministic path's two kernel sets bitwise against each other, and the same errors for bad
+values everywhere. (The harness runs them at every TP x DP layout against the goldens: scenarios
+`token_options_bf16`, `linear_token_options`, `cispo_bf16`, `sapo_csr`, `luspo_empty`, `gspo_bf16` and
+`linear_gspo_luspo`.)"""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ CASES = [(dict(delta=1.05), "token"), (dict(delta=1.3, use_bias_correction_kl=Tr
          (dict(loss_type="cispo", clip_eps_high=1.1), "token"), (dict(loss_type="cispo", clip_eps_high=0.9), None),
          (dict(loss_type="sapo", use_bias_correction_kl=True), "sequence"),
          (dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=3.0), None),
-         (dict(loss_type="luspo", delta=1.1), "sequence")]
+         (dict(loss_type="luspo", delta=1.1), "sequence"),
+         (dict(importance_sampling_level="sequence", clip_eps_high=0.1), None),
+         (dict(importance_sampling_level="sequence", use_bias_correction_kl=True, delta=1.05), "token"),
+         (dict(importance_sampling_level="sequence", loss_type="cispo", clip_eps_high=1.02), "sequence"),
+         (dict(importance_sampling_level="sequence", loss_type="sapo", use_bias_correction_kl=True), "token"),
+         (dict(importance_sampling_level="sequence", loss_type="luspo"), None)]
 IDS = [",".join(f"{k}={v}" for k, v in o.items()) + f",{w}" for o, w in CASES]
 
 
@@ -39,10 +45,15 @@ def importance_weights(kind: str | None) -> torch.Tensor | None:
 
 
 def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo", delta=None,
-             use_bias_correction_kl=False, clip_eps_high=HI, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05):
-    """TRL 1.16's `_compute_loss` (token level) in float64; cispo normalized as bnpo (one batch of one process)."""
+             use_bias_correction_kl=False, clip_eps_high=HI, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+             importance_sampling_level="token"):
+    """TRL 1.16's `_compute_loss` in float64; cispo normalized as bnpo (one batch of one process)."""
     lp = torch.log_softmax(logits.double(), -1).gather(-1, INPUTS["action_ids"][..., None])[..., 0]
-    coef_1 = torch.exp(lp - old.double())
+    m = mask.double()
+    log_ratio = lp - old.double()
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
+    coef_1 = torch.exp(log_ratio)
     d = ref_logps.double() - lp
     kl = torch.exp(d) - d - 1
     if use_bias_correction_kl:
@@ -61,7 +72,6 @@ def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo"
     if is_ratio is not None:
         per_token = per_token * is_ratio.double()
     per_token = per_token + beta * kl
-    m = mask.double()
     if loss_type == "sapo":  # grpo's normalizer
         return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
     if loss_type == "luspo":
@@ -113,6 +123,11 @@ def test_backends_match_trl(backend, options, weights):
     is_ratio = importance_weights(weights)
     want_loss, want_grad = oracle(options, is_ratio)
     kw = {"single_pass": True} if backend.endswith("single_pass") else {}
+    if kw and options.get("importance_sampling_level") == "sequence":
+        with pytest.raises(LossContractError, match="single_pass / inplace: expected False with "
+                                                    "importance_sampling_level='sequence'"):
+            run("triton", options, is_ratio, **kw)
+        return
     loss, grad = run(backend.split("/")[0] if kw else backend, options, is_ratio, **kw)
     assert_close_verbose(loss, want_loss, atol=1e-6, rtol=1e-5, what=f"{backend} loss")
     assert_close_verbose(grad, want_grad, atol=1e-7, rtol=1e-4, what=f"{backend} grad")
@@ -149,7 +164,11 @@ def test_sequence_weights_are_token_weights_repeated():
 
 @pytest.mark.parametrize("options", [dict(delta=1.05, use_bias_correction_kl=True),
                                      dict(loss_type="sapo", sapo_temperature_neg=2.0),
-                                     dict(loss_type="cispo", clip_eps_high=1.1)], ids=["delta_bias", "sapo", "cispo"])
+                                     dict(loss_type="cispo", clip_eps_high=1.1),
+                                     dict(importance_sampling_level="sequence", delta=1.05,
+                                          use_bias_correction_kl=True),
+                                     dict(importance_sampling_level="sequence", loss_type="cispo", clip_eps_high=1.02)],
+                         ids=["delta_bias", "sapo", "cispo", "gspo", "gspo_cispo"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_linear_loss_matches_trl(kernels, options):
     """The fused linear loss: its hidden-state gradient against TRL's formula on `hidden @ weight.T`."""
@@ -245,6 +264,8 @@ def test_malformed_importance_weights_raise_everywhere(backend, is_ratio, match)
     (dict(loss_type="sapo", sapo_temperature_neg=float("inf")), "sapo_temperature_neg: expected a float > 0"),
     (dict(loss_type="sapo", sapo_temperature_neg="1"), "sapo_temperature_neg: expected a float > 0"),
     (dict(loss_type="vespo"), "loss_type: expected one of"),
+    (dict(importance_sampling_level="segment"), "importance_sampling_level: expected one of 'token', 'sequence', "
+                                                "got 'segment'"),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_options_raise_everywhere(backend, options, match):
@@ -261,8 +282,10 @@ def test_fingerprint_moves_only_with_the_options():
     prints = {plain, contract(delta=2.0).fingerprint(), contract(delta=2.5).fingerprint(),
               contract(use_bias_correction_kl=True).fingerprint(), contract(loss_type="cispo").fingerprint(),
               contract(loss_type="sapo").fingerprint(),
-              contract(loss_type="sapo", sapo_temperature_pos=2.0).fingerprint()}
-    assert len(prints) == 7
+              contract(loss_type="sapo", sapo_temperature_pos=2.0).fingerprint(),
+              contract(importance_sampling_level="sequence").fingerprint()}
+    assert len(prints) == 8
+    assert contract(importance_sampling_level="token").fingerprint() == plain
     # cispo and sapo name a normalizer and a term: a normalizer given replaces theirs (TRL's dapo-like cispo)
     fixed = contract(loss_type="cispo", normalizer="fixed_constant", normalizer_constant=64.0)
     assert fixed.normalizer.value == "fixed_constant" and fixed.surrogate.value == "cispo"

@@ -1,6 +1,7 @@
 """TRL's `GRPOTrainer` trained with TRL's own loss and with ours (`GRPOCoreTrainer`): the same logged numbers and
-the same parameters after every step, for loss_type grpo, bnpo, dr_grpo, dapo, cispo and sapo, with and without the
-KL term, and with TRL's `delta`, `use_bias_correction_kl` and SAPO temperatures. vLLM's importance sampling ratio
+the same parameters after every step, for loss_type grpo, bnpo, dr_grpo, dapo, cispo, sapo and luspo, with and
+without the KL term, and with TRL's `delta`, `use_bias_correction_kl`, SAPO temperatures and GSPO's
+`importance_sampling_level="sequence"`. vLLM's importance sampling ratio
 cannot come from a run here (no vLLM): both trainers' `_compute_loss` take it on one batch made by the test.
 
 Everything is local and on the CPU: a tiny randomly initialized Llama built from a config, a character-level
@@ -183,10 +184,13 @@ def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
 # `use_bias_correction_kl` (the KL times the ratio) changes the gradient from step 2 on (step 1 starts from the
 # reference's parameters: a KL of 0). SAPO's temperatures change the gradient only where the ratio is not 1 (its
 # slope there is 1 whatever the temperature), so only through the second pass over a generation.
+# GSPO (`importance_sampling_level="sequence"`) with the clip range its paper and TRL recommend (3e-4 / 4e-4): the
+# sequence ratios of the second pass over a generation cross it (a mean log-ratio varies less than a token's).
 DELTA = dict(delta=1.1, epsilon_high=0.05)
 SAPO_TEMPERATURES = dict(sapo_temperature_pos=2.0, sapo_temperature_neg=4.0)
+GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
 OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_kl"],  # each proof drops these
-           "sapo temperatures": list(SAPO_TEMPERATURES)}
+           "sapo temperatures": list(SAPO_TEMPERATURES), "sequence level": ["importance_sampling_level"]}
 
 
 @pytest.mark.parametrize("loss_type, beta, options", [
@@ -194,7 +198,13 @@ OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_k
     ("dapo", 0.04, dict(use_bias_correction_kl=True)),
     ("grpo", 0.04, dict(DELTA, use_bias_correction_kl=True)),
     ("sapo", 0.04, SAPO_TEMPERATURES),
-], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl", "sapo_temperatures"])
+    ("grpo", 0.04, GSPO),
+    ("luspo", 0.0, GSPO),
+    ("dapo", 0.04, dict(GSPO, use_bias_correction_kl=True)),
+    ("sapo", 0.04, dict(importance_sampling_level="sequence")),
+    ("cispo", 0.0, dict(importance_sampling_level="sequence", epsilon_high=1.02)),
+], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl", "sapo_temperatures", "gspo-grpo",
+        "gspo-luspo", "gspo-dapo-bias_correction_kl", "gspo-sapo", "gspo-cispo"])
 def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, options):
     theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
     ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)
@@ -274,7 +284,7 @@ def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(loss_type="vespo"), "loss_type"),
-    (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(importance_sampling_level="segment"), "importance_sampling_level"),
     (dict(loss_type="dr_grpo"), "max_completion_length"),
     (dict(loss_type="cispo", delta=2.0), "delta"),
     (dict(loss_type="sapo", delta=2.0), "delta"),

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from .. import canonical, pending
 from ..checks import check_derived_advantages, check_inputs, check_logprobs, check_loss, check_tensor, stand_in
-from ..contract import AdvantagesInput, GRPOLossContract, LossContractError, inverse_temperature
+from ..contract import (AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LossContractError,
+                        inverse_temperature)
 from ..result import GRPOLossResult, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
@@ -184,7 +185,8 @@ class DistributedGRPOLossOp:
                   inverse_temperature(contract.temperature),
                   canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate),
                   tp_group, dp_group, check_values, None if importance_sampling_ratio is None else
-                  canonical.given_logprobs(importance_sampling_ratio, mask))
+                  canonical.given_logprobs(importance_sampling_ratio, mask),
+                  contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE)
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         rewards_local = rewards_all = None
         if contract.advantages_input is AdvantagesInput.REWARDS:
@@ -204,6 +206,8 @@ class DistributedGRPOLossOp:
         ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
         scalars, w, flag = k.finish(sums, ints, contract)
         loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
+        if c.sequence:
+            clip_fraction = canonical.sequence_clip_fraction(ints[2])
         k.settle(c, (policy_local_logits, ref_local_logits, ref_logps, old_logps, rewards, advantages,
                      importance_sampling_ratio), flag, ints[1],
                  loss, logp, logp_ref, None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
@@ -238,6 +242,7 @@ class _Call:
     dp_group: Any
     check_values: str
     is_ratio: torch.Tensor | None  # fp32 [n_local, T], 0.0 on masked tokens (`canonical.given_logprobs`)
+    sequence: bool  # GSPO: every token reads its sequence's ratio (`canonical.sequence_coef` for the gradient)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
@@ -280,7 +285,8 @@ class _TorchKernels:
             logp_ref, _, bad_ref = logprobs(ref)
             bad_rows |= bad_ref
         o = c.contract
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl)
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl,
+                                               sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
         policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, c.is_ratio, o.surrogate, logp,
@@ -288,7 +294,7 @@ class _TorchKernels:
         sums = torch.stack([self.token_sum(policy),
                             self.token_sum(kl_tok), local_ratio])
         ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
-        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t)
+        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, kl_tok, adv, lo_t, hi_t)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -314,10 +320,11 @@ class _TorchKernels:
 
     @staticmethod
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
-        rows, ids, lse, ratio, adv, lo_t, hi_t = state
+        rows, ids, lse, ratio, kl_tok, adv, lo_t, hi_t = state
         o = c.contract
-        coef = canonical.token_coef(ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio,
-                                    o.use_bias_correction_kl, o.surrogate, o.sapo_temperatures)
+        args = (logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
+                o.surrogate, o.sapo_temperatures)
+        coef = canonical.sequence_coef(ratio, kl_tok, *args) if c.sequence else canonical.token_coef(ratio, *args)
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
         scaled = coef.reshape(-1)[rows] * grad_loss
@@ -361,10 +368,14 @@ class _TritonKernels:
         logp = torch.where(c.mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
         logp_ref = logp[1] if ref is not None else given_ref
         o = c.contract
+        seq = None  # GSPO: the sequence ratios and KL terms of `canonical`, read by the kernels and the gradient
+        if c.sequence:
+            seq = canonical.ratio_and_kl(logp[0], logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl,
+                                         sequence=True)
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl,
-                                           o.surrogate, o.sapo_temperatures)
-        return logp[0], logp_ref, sums, ints, (lse[0], adv)
+                                           o.surrogate, o.sapo_temperatures, None if seq is None else seq[0])
+        return logp[0], logp_ref, sums, ints, (lse[0], adv, seq)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -413,8 +424,15 @@ class _TritonKernels:
     @staticmethod
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
         from ..triton import canonical as kernels
-        lse, adv = state
+        lse, adv, seq = state
         o = c.contract
+        coef = None
+        if seq is not None:
+            lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
+            coef = canonical.sequence_coef(*seq, logp, logp_ref, canonical.used_advantages(adv, c.mask), w, c.mask,
+                                           lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
+                                           o.surrogate, o.sapo_temperatures)
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
                             o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=c.is_ratio,
-                            bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=o.sapo_temperatures)
+                            bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=o.sapo_temperatures,
+                            coef=coef)

@@ -33,9 +33,11 @@ or `[B, 1]`, multiplied into the policy term and not into the KL). The trainer t
 temperatures, from its config, the ratio exactly when TRL applies it (`use_vllm` and
 `vllm_importance_sampling_correction`).
 
+`importance_sampling_level='sequence'` (GSPO: every token reads its sequence's ratio) reaches the loss too; the clip
+ratio it logs is then TRL's mean over the sequences.
+
 Not supported, refused with a `ValueError` naming the argument: loss type vespo (its per-token term is not computed);
-`importance_sampling_level='sequence'` (GSPO's sequence ratio); `delta` with cispo or sapo (TRL ignores it there: leave
-it None). The trainer also refuses what needs the token entropies or a loss term of its own (`top_entropy_quantile`,
+`delta` with cispo or sapo (TRL ignores it there: leave it None). The trainer also refuses what needs the token entropies or a loss term of its own (`top_entropy_quantile`,
 `entropy_coef`, `use_adaptive_entropy`, `off_policy_mask_threshold`, a MoE router loss), logits that the model soft-caps
 or scales, and vision inputs.
 """
@@ -72,9 +74,9 @@ class GRPOLinearLoss(torch.nn.Module):
             raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r} "
                              f"(grpo-core does not compute vespo's per-token term); use Liger's or TRL's own loss "
                              f"for it")
-        if importance_sampling_level != "token":
-            raise ValueError(f"importance_sampling_level: expected 'token', got {importance_sampling_level!r} "
-                             f"(grpo-core computes the per-token ratio, not GSPO's sequence ratio)")
+        if importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got "
+                             f"{importance_sampling_level!r}")
         if loss_type == "dr_grpo" and max_completion_length is None:
             raise ValueError("max_completion_length: expected an int with loss_type='dr_grpo', got None")
         if delta is not None and loss_type in ("cispo", "sapo"):
@@ -85,6 +87,7 @@ class GRPOLinearLoss(torch.nn.Module):
         self.max_completion_length = max_completion_length
         self.delta, self.use_bias_correction_kl = delta, use_bias_correction_kl
         self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
+        self.importance_sampling_level = importance_sampling_level
 
     def forward(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
                 attention_mask: torch.Tensor, advantages: torch.Tensor, bias: torch.Tensor | None = None,
@@ -114,7 +117,8 @@ class GRPOLinearLoss(torch.nn.Module):
             ref_bias=ref_bias if use_ref else None, clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high,
             beta=self.beta if use_ref else 0.0, temperature=self.temperature, delta=self.delta,
             use_bias_correction_kl=self.use_bias_correction_kl, importance_sampling_ratio=vllm_is_ratio,
-            **self._sapo_temperatures(), **self._normalizer(attention_mask, num_items_in_batch))
+            importance_sampling_level=self.importance_sampling_level, **self._sapo_temperatures(),
+            **self._normalizer(attention_mask, num_items_in_batch))
         metrics = (result.clip_fraction,)
         if self.beta != 0.0:
             metrics = (result.kl_token_mean if use_ref else torch.zeros_like(result.clip_fraction), *metrics)
@@ -213,11 +217,15 @@ def _grpo_core_trainer() -> type:
                 loss = loss / accumulation
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
             count = mask.sum().to(torch.float32)
+            # TRL's sequence-level clip ratio is a mean over the sequences (the loss's clip fraction, too)
+            sequences = torch.tensor(float(mask.shape[0]), device=count.device)
+            weights = [count] * (self.beta != 0.0) + [sequences if self.importance_sampling_level == "sequence"
+                                                      else count]
             clip_key = CLIP_RATIO_KEYS.get(self.loss_type, "clip_ratio/region_mean")
             keys = (["kl"] if self.beta != 0.0 else []) + ([] if clip_key is None else [clip_key])
-            for key, value in zip(keys, metrics):  # metrics: (kl, clip ratio) or (clip ratio,)
-                total, tokens = self.accelerator.reduce(torch.stack([value * count, count]), reduction="sum")
-                self._metrics[mode][key].append((total / tokens.clamp(min=1.0)).item())
+            for key, value, weight in zip(keys, metrics, weights):  # metrics: (kl, clip ratio) or (clip ratio,)
+                total, n = self.accelerator.reduce(torch.stack([value * weight, weight]), reduction="sum")
+                self._metrics[mode][key].append((total / n.clamp(min=1.0)).item())
             return loss
 
         def _grpo_core_loss(self, unwrapped, inputs, num_items):

@@ -43,7 +43,8 @@ class NativeGRPOLossOp:
                  max_completion_length: int | None = None, ref_logps: torch.Tensor | None = None,
                  delta: float | None = None, use_bias_correction_kl: bool = False,
                  importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
-                 sapo_temperature_neg: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
         'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
         with rewards; `ref_logps` `[B, T]`: the reference's log-probs of the action ids, given in place of
@@ -51,14 +52,16 @@ class NativeGRPOLossOp:
         `use_bias_correction_kl` (the KL term times the ratio); `importance_sampling_ratio` `[B, T]` or `[B, 1]`:
         the rollout engine's importance weights (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`),
         multiplied into each token's surrogate term. `loss_type` 'cispo' and 'sapo' (with its temperatures)
-        change the per-token term (`contract.Surrogate`)."""
+        change the per-token term (`contract.Surrogate`). `importance_sampling_level="sequence"` (GSPO): every token
+        reads its sequence's ratio, the exp of its mean log-ratio (`canonical.sequence_log_ratio`)."""
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
                          max_completion_length=max_completion_length, ref_logps=ref_logps, delta=delta,
                          use_bias_correction_kl=use_bias_correction_kl,
                          importance_sampling_ratio=importance_sampling_ratio,
-                         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+                         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                         importance_sampling_level=importance_sampling_level)
         return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {},
                                importance_sampling_ratio))
 
@@ -98,35 +101,45 @@ class NativeGRPOLossOp:
 
     def _run(self, policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o: LossOptions,
              extra, is_ratio=None) -> GRPOLossResult:
-        mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
-        if o.advantages_input is AdvantagesInput.REWARDS:
-            advantages = adv = canonical.group_advantages(rewards.detach(), o.groups, o.std)
-        else:
-            advantages = advantages.detach().to(torch.float32, copy=True)  # reported as given
-            adv = canonical.used_advantages(advantages, mask)
-        inv = inverse_temperature(o.temperature)
-        logp = selected_logprobs(policy_logits, action_ids, mask, inv)
-        logp_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
-        if ref_logits is not None:
-            with torch.no_grad():
-                logp_ref = selected_logprobs(ref_logits, action_ids, mask, inv)
-        check_logprobs(logp.detach(), logp_ref, mask)
-        if o.advantages_input is AdvantagesInput.REWARDS:  # a group whose sum or variance overflowed: NaN
-            check_derived_advantages(adv, rewards.detach().to(torch.float32), o.groups)
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp, bias_kl=o.bias_kl)
-        lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
-        is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
-        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
-                                                 o.taus, sigmoid=torch.sigmoid)
-        per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
-                                              mask.sum(dim=-1))
-        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
-                                                  o.constant)
-        check_loss(loss.detach())
-        ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
-        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
-                                                                           counts)
-        return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
-                              per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
-                              per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
-                              kl_token_mean=kl_token_mean, provenance=provenance(self.backend, policy_logits, **extra))
+        return token_formulas(self.backend, selected_logprobs, policy_logits, ref_logits, ref_logps, action_ids,
+                              old_logps, rewards, advantages, o, extra, is_ratio)
+
+
+def token_formulas(backend: str, logprobs, policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards,
+                   advantages, o: LossOptions, extra, is_ratio=None) -> GRPOLossResult:
+    """The loss by autograd over the token formulas, from `logprobs(logits, action_ids, mask, inv)` (differentiable
+    fp32 `[B, T]` selected log-probs: `selected_logprobs`, or the Triton row kernels' with their backward); the
+    values are checked in the call."""
+    mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
+    if o.advantages_input is AdvantagesInput.REWARDS:
+        advantages = adv = canonical.group_advantages(rewards.detach(), o.groups, o.std)
+    else:
+        advantages = advantages.detach().to(torch.float32, copy=True)  # reported as given
+        adv = canonical.used_advantages(advantages, mask)
+    inv = inverse_temperature(o.temperature)
+    logp = logprobs(policy_logits, action_ids, mask, inv)
+    logp_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
+    if ref_logits is not None:
+        with torch.no_grad():
+            logp_ref = logprobs(ref_logits, action_ids, mask, inv)
+    check_logprobs(logp.detach(), logp_ref, mask)
+    if o.advantages_input is AdvantagesInput.REWARDS:  # a group whose sum or variance overflowed: NaN
+        check_derived_advantages(adv, rewards.detach().to(torch.float32), o.groups)
+    ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp, bias_kl=o.bias_kl,
+                                           sequence=o.sequence_level)
+    lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
+    is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
+    policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
+                                             o.taus, sigmoid=torch.sigmoid)
+    per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
+                                          mask.sum(dim=-1))
+    loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
+                                              o.constant)
+    check_loss(loss.detach())
+    ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
+    clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
+                                                                       counts, o.sequence_level)
+    return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
+                          per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
+                          per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
+                          kl_token_mean=kl_token_mean, provenance=provenance(backend, policy_logits, **extra))

@@ -278,11 +278,16 @@ def sigmoid(x):
 
 
 @triton.jit
-def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w_is, tau_pos, tau_neg,
-                 HAS_REF: tl.constexpr, HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr, SURROGATE: tl.constexpr):
+def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w_is, tau_pos, tau_neg, given,
+                 HAS_REF: tl.constexpr, HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr, SURROGATE: tl.constexpr,
+                 GIVEN_RATIO: tl.constexpr):
     """`canonical.ratio_and_kl` and `canonical.clipped_surrogate` of one block of tokens (`delta`: +inf without
-    one, where `min` changes nothing; `w_is`: the importance weights, HAS_IS; SURROGATE: 0 clipped, 1 CISPO, 2 SAPO)."""
-    ratio = exp(tl.where(active, logp - old, 0.0))
+    one, where `min` changes nothing; `w_is`: the importance weights, HAS_IS; SURROGATE: 0 clipped, 1 CISPO, 2 SAPO;
+    GIVEN_RATIO: the ratio is `given`, GSPO's sequence ratio)."""
+    if GIVEN_RATIO:
+        ratio = given
+    else:
+        ratio = exp(tl.where(active, logp - old, 0.0))
     if SURROGATE == 1:
         policy = -((_min(ratio, clip_hi) * adv) * logp)
     elif SURROGATE == 2:
@@ -311,6 +316,7 @@ def _sequence_kernel(
     adv_ptr,  # fp32 [B] advantages (TOKEN_ADV: [B, T]); only what active tokens read is read
     r_ptr,  # fp32 [B] rewards (REWARDS)
     is_ptr,  # fp32 [B, T] importance weights (HAS_IS)
+    ratio_ptr,  # fp32 [B, T] the tokens' ratios (GIVEN_RATIO; `canonical.ratio_and_kl(..., sequence=True)`)
     out_ptr,  # out: fp32 [3, B] = each sequence's token sums of the surrogate, the KL and the ratio
     ints_ptr,  # out: int64 [3, B] = active tokens, bad-value flag, clipped tokens (`canonical.clipped_tokens`)
     B, T, vocab, clip_lo, clip_hi, delta, tau_pos, tau_neg,  # tau_*: SAPO's temperatures
@@ -319,6 +325,7 @@ def _sequence_kernel(
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,  # the KL term times the ratio
     SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
+    GIVEN_RATIO: tl.constexpr,
     TOKEN_ADV: tl.constexpr,  # an advantage per token
     REWARDS: tl.constexpr,  # the advantages come from the rewards: flag a non-finite reward or advantage
     CHECK_MASK: tl.constexpr,  # the mask is not bool: flag active values other than 1
@@ -351,8 +358,9 @@ def _sequence_kernel(
         else:  # the sequence's advantage at every token
             adv = tl.load(adv_ptr + b + 0 * t, mask=active, other=0.0)
         w_is = tl.load(is_ptr + b * T + t, mask=active, other=0.0) if HAS_IS else adv
+        given = tl.load(ratio_ptr + b * T + t, mask=active, other=1.0) if GIVEN_RATIO else adv
         ratio, policy, kl = _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w_is, tau_pos,
-                                         tau_neg, HAS_REF, HAS_IS, BIAS_KL, SURROGATE)
+                                         tau_neg, given, HAS_REF, HAS_IS, BIAS_KL, SURROGATE, GIVEN_RATIO)
         finite = ((tl.abs(logp) < float("inf")) & (tl.abs(logp_ref) < float("inf")) & (tl.abs(old) < float("inf"))
                   & (tl.abs(adv) < float("inf")) & (ids >= 0) & (ids < vocab))
         if HAS_IS:
@@ -486,6 +494,7 @@ def _grad_kernel(
     is_ptr,  # fp32 [N] importance weights (HAS_IS)
     lse_ptr,  # fp32 [N] the policy rows' log-sum-exp over the whole vocabulary
     g_out_ptr,  # fp32 [1] d(output) / d(loss)
+    coef_ptr,  # fp32 [N] d loss / d logp per token (GIVEN_COEF: `canonical.sequence_coef`, GSPO's)
     g_ptr,  # out: gradient [N, V] in the logits' dtype (BF16_BITS: its int16 view), rows `stride_g` apart
     T, V, stride_x, stride_g, lo, clip_lo, clip_hi, beta, delta, tau_pos, tau_neg,
     inv,  # the inverse temperature, fp32 (SCALE)
@@ -494,6 +503,7 @@ def _grad_kernel(
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,
     SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
+    GIVEN_COEF: tl.constexpr,  # the coefficient is read from coef_ptr (weighted), not computed
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops (round to nearest even, as torch does)
@@ -506,32 +516,36 @@ def _grad_kernel(
     g_row = g_ptr + row * stride_g
     cols = tl.arange(0, BLOCK)
     if tl.load(mask_ptr + row) != 0:
-        seq = row // T
-        logp = tl.load(logp_ptr + row)
-        logp_ref = tl.load(ref_ptr + row) if HAS_REF else logp
-        adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
-        ratio = exp(logp - tl.load(old_ptr + row))
-        if SURROGATE == 1:
-            coef = -(_min(ratio, clip_hi) * adv)
-        elif SURROGATE == 2:
-            s = sigmoid(tl.where(adv > 0, tau_pos, tau_neg) * (ratio - 1.0))
-            coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)
+        if GIVEN_COEF:
+            coef = tl.load(coef_ptr + row) * tl.load(g_out_ptr)
         else:
-            # the minimum's branch, and whether its clamp passes the ratio (+inf delta: the first branch's always
-            # does, and where the second is the smaller one it clamped the ratio)
-            taken = tl.where(_min(ratio, delta) * adv <= _min(_max(ratio, clip_lo), clip_hi) * adv, ratio <= delta,
-                             (ratio >= clip_lo) & (ratio <= clip_hi))
-            coef = tl.where(taken, -(ratio * adv), 0.0)
-        if HAS_IS:
-            coef = coef * tl.load(is_ptr + row)
-        if HAS_REF:
-            d = logp_ref - logp
-            if BIAS_KL:
-                dkl = -(d * ratio)
+            seq = row // T
+            logp = tl.load(logp_ptr + row)
+            logp_ref = tl.load(ref_ptr + row) if HAS_REF else logp
+            adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
+            ratio = exp(logp - tl.load(old_ptr + row))
+            if SURROGATE == 1:
+                coef = -(_min(ratio, clip_hi) * adv)
+            elif SURROGATE == 2:
+                s = sigmoid(tl.where(adv > 0, tau_pos, tau_neg) * (ratio - 1.0))
+                coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)
             else:
-                dkl = 1.0 - exp(d)
-            coef = coef + beta * dkl
-        coef = (coef * tl.load(w_ptr + seq)) * tl.load(g_out_ptr)
+                # the minimum's branch, and whether its clamp passes the ratio (+inf delta: the first branch's always
+                # does, and where the second is the smaller one it clamped the ratio)
+                clipped = _min(_max(ratio, clip_lo), clip_hi) * adv
+                taken = tl.where(_min(ratio, delta) * adv <= clipped, ratio <= delta,
+                                 (ratio >= clip_lo) & (ratio <= clip_hi))
+                coef = tl.where(taken, -(ratio * adv), 0.0)
+            if HAS_IS:
+                coef = coef * tl.load(is_ptr + row)
+            if HAS_REF:
+                d = logp_ref - logp
+                if BIAS_KL:
+                    dkl = -(d * ratio)
+                else:
+                    dkl = 1.0 - exp(d)
+                coef = coef + beta * dkl
+            coef = (coef * tl.load(w_ptr + seq)) * tl.load(g_out_ptr)
         if SCALE:
             coef = coef * inv
         lse = tl.load(lse_ptr + row)
@@ -613,12 +627,14 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
                   ids: torch.Tensor, adv: torch.Tensor, rewards: torch.Tensor | None, vocab: int, clip_lo: float,
                   clip_hi: float, delta: float | None = None, is_ratio: torch.Tensor | None = None,
                   bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED,
-                  taus: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  taus: tuple[float, float] | None = None, ratio: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: fp32 `[3, B]` token sums (surrogate, KL, ratio) and int64 `[3, B]` (active tokens, bad-value
     flag, clipped tokens). `mask` is the completion mask as given; `adv` `[B]` or `[B, T]` (an advantage per
     token), read only where an active token reads it; `rewards` (fp32 `[B]` or None) are checked; `delta`,
     `is_ratio` (fp32 `[B, T]`), `bias_kl`, `surrogate` and `taus` as in `canonical.clipped_surrogate` /
-    `ratio_and_kl` (`clip_lo`, `clip_hi`: `canonical.bounds`)."""
+    `ratio_and_kl` (`clip_lo`, `clip_hi`: `canonical.bounds`); `ratio` (fp32 `[B, T]`): the tokens' ratios as
+    given (GSPO's), instead of `exp(logp - old)`."""
     B, T = mask.shape
     out = torch.empty(3, B, dtype=torch.float32, device=logp.device)
     ints = torch.empty(3, B, dtype=torch.int64, device=logp.device)
@@ -628,11 +644,13 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
         _sequence_kernel[(B,)](logp.contiguous(), (logp_ref if logp_ref is not None else logp).contiguous(),
                                old.to(torch.float32).contiguous(), mask.contiguous(), ids.contiguous(),
                                adv.contiguous(), rewards.contiguous() if rewards is not None else adv,
-                               logp if is_ratio is None else is_ratio.contiguous(), out, ints, B, T, vocab, clip_lo,
+                               logp if is_ratio is None else is_ratio.contiguous(),
+                               logp if ratio is None else ratio.contiguous(), out, ints, B, T, vocab, clip_lo,
                                clip_hi, math.inf if delta is None else delta, *(taus or (1.0, 1.0)),
                                HAS_REF=logp_ref is not None, HAS_IS=is_ratio is not None, BIAS_KL=bias_kl,
-                               SURROGATE=SURROGATES[surrogate], TOKEN_ADV=adv.dim() == 2,
-                               REWARDS=rewards is not None, CHECK_MASK=mask.dtype != torch.bool, BLOCK=block,
+                               SURROGATE=SURROGATES[surrogate], GIVEN_RATIO=ratio is not None,
+                               TOKEN_ADV=adv.dim() == 2, REWARDS=rewards is not None,
+                               CHECK_MASK=mask.dtype != torch.bool, BLOCK=block,
                                LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks), **_fp())
     return out, ints
 
@@ -673,12 +691,13 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
          logp_ref: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor, lse: torch.Tensor,
          grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float, inv: float = 1.0,
          out: torch.Tensor | None = None, delta: float | None = None, is_ratio: torch.Tensor | None = None,
-         bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None
-         ) -> torch.Tensor:
+         bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None,
+         coef: torch.Tensor | None = None) -> torch.Tensor:
     """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows); `adv` `[n]` or
     `[n, T]`; `inv` the fp32 inverse temperature; `delta`, `is_ratio` (fp32, a weight per token), `bias_kl`,
     `surrogate` and `taus` as in `canonical.token_coef`. `out`: `[n * T, V_local]` rows to write instead (any dtype
-    and row stride; never the logits' own bytes: a program's threads do not read a row in step with its writes)."""
+    and row stride; never the logits' own bytes: a program's threads do not read a row in step with its writes).
+    `coef` (fp32 `[n, T]`, weighted: `canonical.sequence_coef`): each token's `d loss / d logp` as given."""
     x = _rows2d(policy)
     N, V = x.shape
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device) if out is None else out
@@ -688,10 +707,12 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             x, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), logp.contiguous(),
             (logp_ref if logp_ref is not None else logp).contiguous(), old.to(torch.float32).contiguous(),
             adv.contiguous(), weights.contiguous(), logp if is_ratio is None else is_ratio.contiguous(),
-            lse.contiguous(), grad_loss.to(torch.float32).reshape(1), g.view(torch.int16) if bf16_bits else g,
+            lse.contiguous(), grad_loss.to(torch.float32).reshape(1), lse if coef is None else coef.contiguous(),
+            g.view(torch.int16) if bf16_bits else g,
             mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi, beta,
             math.inf if delta is None else delta, *(taus or (1.0, 1.0)), inv, HAS_REF=logp_ref is not None,
-            HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=SURROGATES[surrogate], TOKEN_ADV=adv.dim() == 2,
+            HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=SURROGATES[surrogate], GIVEN_COEF=coef is not None,
+            TOKEN_ADV=adv.dim() == 2,
             SCALE=inv != 1.0, BF16_BITS=bf16_bits,
             BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)), **_fp())
     return g.view(policy.shape)

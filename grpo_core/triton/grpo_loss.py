@@ -39,11 +39,12 @@ from torch.library import triton_op, wrap_triton
 from .. import canonical, pending
 from ..canonical import STD_EPS, STD_FLOOR
 from ..checks import loss_options
-from ..contract import FP32_MAX, AdvantageStd, TokenNormalizer, inverse_temperature
+from ..contract import FP32_MAX, AdvantageStd, LossContractError, TokenNormalizer, inverse_temperature
+from ..native.grpo_loss import token_formulas
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .launch import SURROGATES, finish_options, pick, twins
-from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
+from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad, selected_logprobs
 
 BLOCK_T = 1024
 _FP32_MAX = tl.constexpr(FP32_MAX)  # a kernel reads a global only as a constexpr
@@ -346,6 +347,12 @@ class TritonGRPOLossOp:
     gradient during the forward), `inplace` (implies single pass: the gradient overwrites `policy_logits`) and
     `check_values`.
 
+    `importance_sampling_level="sequence"` (GSPO): each token's terms read its sequence's ratio, so no token's
+    gradient is known before the whole sequence is read. The op then takes the log-probs from the row kernels (their
+    backward is the second pass) and the token formulas from `native.grpo_loss.token_formulas` (autograd on
+    `[B, T]`); the values are checked in the call (one device sync) whatever `check_values` says, and
+    `single_pass` / `inplace` are refused.
+
     `check_values`: a bad id, mask value, reward, given advantage or old log-prob, or a non-finite log-prob,
     raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
     the GPU); the error, naming this call, is raised at the start of a later call of a grpo_core GPU op (at the
@@ -368,17 +375,26 @@ class TritonGRPOLossOp:
                  max_completion_length: int | None = None, single_pass: bool = False, inplace: bool = False,
                  check_values: str = "deferred", ref_logps: torch.Tensor | None = None, delta: float | None = None,
                  use_bias_correction_kl: bool = False, importance_sampling_ratio: torch.Tensor | None = None,
-                 sapo_temperature_pos: float | None = None, sapo_temperature_neg: float | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 sapo_temperature_pos: float | None = None, sapo_temperature_neg: float | None = None,
+                 importance_sampling_level: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
+        sequence = importance_sampling_level == "sequence"  # then the values are checked in the call
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
-                         advantage_std, values=False, temperature=temperature, advantages=advantages,
+                         advantage_std, values=sequence, temperature=temperature, advantages=advantages,
                          loss_type=loss_type, max_completion_length=max_completion_length, ref_logps=ref_logps,
                          delta=delta, use_bias_correction_kl=use_bias_correction_kl,
                          importance_sampling_ratio=importance_sampling_ratio,
-                         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+                         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                         importance_sampling_level=importance_sampling_level)
+        if o.sequence_level:
+            if single_pass or inplace:
+                raise LossContractError("single_pass / inplace: expected False with importance_sampling_level="
+                                        "'sequence' (each token's gradient needs its sequence's ratio, known only once "
+                                        "every token of the sequence has been read)")
+            return tuple(token_formulas(self.backend, selected_logprobs, policy_logits, ref_logits, ref_logps,
+                                        action_ids, old_logps, rewards, advantages, o, {}, importance_sampling_ratio))
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
