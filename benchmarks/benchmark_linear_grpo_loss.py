@@ -7,7 +7,9 @@ gradients for the hidden states and the weight (logits, dH, dW), `2NHV / R` for 
 more per reference forward: `ref_hidden`). Backends: `linear` (ours: `grpo_core.linear`, Triton kernels, the
 contract path at 1x1), `matmul_then_triton` (`h @ W.T` in torch, then our fast Triton op on the materialized
 logits), `native` (`h @ W.T`, then the native op), and Liger's `LigerFusedLinearGRPOLoss` (what TRL's
-`use_liger_kernel=True` runs) when it imports. beta 0 is TRL's default; beta 0.04 takes `ref_logps`.
+`use_liger_kernel=True` runs) when it imports. beta 0 is TRL's default; beta 0.04 takes `ref_logps`. `*_gspo`:
+the same with GSPO's `importance_sampling_level="sequence"` (ours computes the logits twice: its floor stays three
+matmuls).
 Peak memory is the peak allocated over what was allocated before the call, gradients included.
 """
 
@@ -68,9 +70,10 @@ def backends(beta: float) -> dict:
     def ref_of(i):
         return i["ref"] if beta > 0 else None
 
-    out = {"linear": lambda i, h, w: linear_grpo_loss(h, w, i["ids"], i["old"], completion_mask=i["mask"],
-                                                      advantages=i["adv"], ref_logps=ref_of(i), beta=beta,
-                                                      loss_type="dapo").loss}
+    out = {f"linear{suffix}": lambda i, h, w, level=level: linear_grpo_loss(
+        h, w, i["ids"], i["old"], completion_mask=i["mask"], advantages=i["adv"], ref_logps=ref_of(i), beta=beta,
+        loss_type="dapo", importance_sampling_level=level).loss for suffix, level in (("", "token"),
+                                                                                      ("_gspo", "sequence"))}
 
     def materialized(op):
         def run(i, h, w):
@@ -85,9 +88,12 @@ def backends(beta: float) -> dict:
     out["native"] = materialized(native)
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-        liger = LigerFusedLinearGRPOLoss(beta=beta, loss_type="dapo", use_ref_model=beta > 0)
-        out["liger"] = lambda i, h, w: liger(h, w, i["ids"], i["mask"].long(), i["adv"],
-                                             ref_per_token_logps=ref_of(i), old_per_token_logps=i["old"])[0]
+        for suffix, level in (("", "token"), ("_gspo", "sequence")):
+            liger = LigerFusedLinearGRPOLoss(beta=beta, loss_type="dapo", use_ref_model=beta > 0,
+                                             importance_sampling_level=level)
+            out[f"liger{suffix}"] = lambda i, h, w, liger=liger: liger(
+                h, w, i["ids"], i["mask"].long(), i["adv"], ref_per_token_logps=ref_of(i),
+                old_per_token_logps=i["old"])[0]
     except ImportError:
         pass
     return out
