@@ -390,7 +390,8 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
 def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None, advantages: torch.Tensor,
                weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, beta: float,
                delta: float | None = None, is_ratio: torch.Tensor | None = None, bias_kl: bool = False,
-               surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None) -> torch.Tensor:
+               surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None, exp=exp,
+               sigmoid=sigmoid) -> torch.Tensor:
     """`d loss / d logp` per token `[S, T]` (before `grad_output`): `(dpolicy + beta * dkl) * weight`, where the
     surrogate's derivative is `-ratio * A` where the unclipped branch is the minimum (ties included) and 0 where
     the clipped one is; with `delta`, `-ratio * A` where the minimum's branch passes the ratio through its clamp
@@ -399,7 +400,7 @@ def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor |
     `((1 - exp(d)) + kl) * ratio` without its cancellation (that form loses every digit once `d` passes ~12).
     CISPO: `-(min(ratio, hi) * A)` (its weight is a constant); SAPO: `-((((s * (1 - s)) * 4) * ratio) * A)`,
     `s = sigmoid(tau * (ratio - 1))`. 0.0 on masked tokens. `A`: `[S]` or `[S, T]`. The caller multiplies by
-    `grad_output`, then by `fp32(1 / temperature)` when it is not 1."""
+    `grad_output`, then by `fp32(1 / temperature)` when it is not 1. (`exp`, `sigmoid`: the fast op passes torch's.)"""
     adv = _per_token(advantages)
     if surrogate is Surrogate.CISPO:
         coef = -(torch.minimum(ratio, hi) * adv)
@@ -427,7 +428,7 @@ def sequence_coef(ratio: torch.Tensor, kl: torch.Tensor, logp: torch.Tensor, log
                   advantages: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
                   hi: torch.Tensor, beta: float, delta: float | None = None, is_ratio: torch.Tensor | None = None,
                   bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED,
-                  taus: tuple[float, float] | None = None) -> torch.Tensor:
+                  taus: tuple[float, float] | None = None, exp=exp, sigmoid=sigmoid) -> torch.Tensor:
     """`token_coef` where every token reads its sequence's ratio `r = ratio` (GSPO, `ratio_and_kl(...,
     sequence=True)`; `kl` its per-token KL terms). A token's log-prob moves `log r` by `1 / n` (`n`: the sequence's
     active tokens), so each token's coefficient is the sequence's chain term plus its own:
@@ -437,7 +438,7 @@ def sequence_coef(ratio: torch.Tensor, kl: torch.Tensor, logp: torch.Tensor, log
     tokens."""
     w = weights.unsqueeze(-1)
     policy = token_coef(ratio, logp, None, advantages, weights, mask, lo, hi, 0.0, delta, is_ratio, False, surrogate,
-                        taus)
+                        taus, exp, sigmoid)
     zero = torch.zeros_like(policy)
     through, own = (zero, policy) if surrogate is Surrogate.CISPO else (policy, zero)
     if logp_ref is not None:

@@ -12,8 +12,7 @@ Options added for users of other GRPO implementations (`temperature`, given `adv
 `advantage_std="unbiased_eps"`, `delta`, `use_bias_correction_kl`, `importance_sampling_level`) enter the fingerprint
 only when they differ from their defaults, so that the fingerprint of a contract that does not use them, and every
 golden recorded with one, stays what it was.
-Every backend computes all of them (the fast Triton op and the distributed op in their kernels; GSPO's sequence ratio
-in the fast op's autograd over `[B, T]`).
+Every backend computes all of them (the fast Triton op and the distributed op in their kernels).
 """
 
 from __future__ import annotations

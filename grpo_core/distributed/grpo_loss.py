@@ -370,8 +370,8 @@ class _TritonKernels:
         o = c.contract
         seq = None  # GSPO: the sequence ratios and KL terms of `canonical`, read by the kernels and the gradient
         if c.sequence:
-            seq = canonical.ratio_and_kl(logp[0], logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl,
-                                         sequence=True)
+            seq = canonical.ratio_and_kl(logp[0], logp_ref, c.old, c.mask, kernels.exp_of,
+                                         o.use_bias_correction_kl, sequence=True)
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, None if seq is None else seq[0])
@@ -431,7 +431,7 @@ class _TritonKernels:
             lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
             coef = canonical.sequence_coef(*seq, logp, logp_ref, canonical.used_advantages(adv, c.mask), w, c.mask,
                                            lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
-                                           o.surrogate, o.sapo_temperatures)
+                                           o.surrogate, o.sapo_temperatures, kernels.exp_of, kernels.sigmoid_of)
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
                             o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=c.is_ratio,
                             bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=o.sapo_temperatures,

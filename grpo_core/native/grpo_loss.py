@@ -101,45 +101,36 @@ class NativeGRPOLossOp:
 
     def _run(self, policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o: LossOptions,
              extra, is_ratio=None) -> GRPOLossResult:
-        return token_formulas(self.backend, selected_logprobs, policy_logits, ref_logits, ref_logps, action_ids,
-                              old_logps, rewards, advantages, o, extra, is_ratio)
-
-
-def token_formulas(backend: str, logprobs, policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards,
-                   advantages, o: LossOptions, extra, is_ratio=None) -> GRPOLossResult:
-    """The loss by autograd over the token formulas, from `logprobs(logits, action_ids, mask, inv)` (differentiable
-    fp32 `[B, T]` selected log-probs: `selected_logprobs`, or the Triton row kernels' with their backward); the
-    values are checked in the call."""
-    mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
-    if o.advantages_input is AdvantagesInput.REWARDS:
-        advantages = adv = canonical.group_advantages(rewards.detach(), o.groups, o.std)
-    else:
-        advantages = advantages.detach().to(torch.float32, copy=True)  # reported as given
-        adv = canonical.used_advantages(advantages, mask)
-    inv = inverse_temperature(o.temperature)
-    logp = logprobs(policy_logits, action_ids, mask, inv)
-    logp_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
-    if ref_logits is not None:
-        with torch.no_grad():
-            logp_ref = logprobs(ref_logits, action_ids, mask, inv)
-    check_logprobs(logp.detach(), logp_ref, mask)
-    if o.advantages_input is AdvantagesInput.REWARDS:  # a group whose sum or variance overflowed: NaN
-        check_derived_advantages(adv, rewards.detach().to(torch.float32), o.groups)
-    ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp, bias_kl=o.bias_kl,
-                                           sequence=o.sequence_level)
-    lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
-    is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
-    policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
-                                             o.taus, sigmoid=torch.sigmoid)
-    per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
-                                          mask.sum(dim=-1))
-    loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
-                                              o.constant)
-    check_loss(loss.detach())
-    ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
-    clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
-                                                                       counts, o.sequence_level)
-    return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
-                          per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
-                          per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
-                          kl_token_mean=kl_token_mean, provenance=provenance(backend, policy_logits, **extra))
+        mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
+        if o.advantages_input is AdvantagesInput.REWARDS:
+            advantages = adv = canonical.group_advantages(rewards.detach(), o.groups, o.std)
+        else:
+            advantages = advantages.detach().to(torch.float32, copy=True)  # reported as given
+            adv = canonical.used_advantages(advantages, mask)
+        inv = inverse_temperature(o.temperature)
+        logp = selected_logprobs(policy_logits, action_ids, mask, inv)
+        logp_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
+        if ref_logits is not None:
+            with torch.no_grad():
+                logp_ref = selected_logprobs(ref_logits, action_ids, mask, inv)
+        check_logprobs(logp.detach(), logp_ref, mask)
+        if o.advantages_input is AdvantagesInput.REWARDS:  # a group whose sum or variance overflowed: NaN
+            check_derived_advantages(adv, rewards.detach().to(torch.float32), o.groups)
+        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old_logps, mask, exp=torch.exp, bias_kl=o.bias_kl,
+                                               sequence=o.sequence_level)
+        lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
+        is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
+        policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
+                                                 o.taus, sigmoid=torch.sigmoid)
+        per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
+                                              mask.sum(dim=-1))
+        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
+                                                  o.constant)
+        check_loss(loss.detach())
+        ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
+        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
+                                                                           counts, o.sequence_level)
+        return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
+                              per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
+                              per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
+                              kl_token_mean=kl_token_mean, provenance=provenance(self.backend, policy_logits, **extra))

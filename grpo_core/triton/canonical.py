@@ -586,6 +586,31 @@ def _fp(warps: int | None = None) -> dict:
     return dict(num_warps=warps or NUM_WARPS, enable_fp_fusion=False)
 
 
+@triton.jit
+def _map_kernel(x_ptr, y_ptr, n, SIGMOID: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(y_ptr + i, sigmoid(x) if SIGMOID else exp(x), mask=i < n)
+
+
+def _map(x: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        _map_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), SIGMOID=sigmoid, BLOCK=1024, **_fp())
+    return y
+
+
+def exp_of(x: torch.Tensor) -> torch.Tensor:
+    """`canonical.exp` of an fp32 tensor in one launch (the torch form launches dozens of small kernels)."""
+    return _map(x, False)
+
+
+def sigmoid_of(x: torch.Tensor) -> torch.Tensor:
+    """`canonical.sigmoid` of an fp32 tensor in one launch."""
+    return _map(x, True)
+
+
 def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor, lo: int,
               width: int, inv: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over each active row of `[n, T, V_local]` logits (policy and reference, a program each), scaled by

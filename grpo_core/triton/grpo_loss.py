@@ -39,12 +39,11 @@ from torch.library import triton_op, wrap_triton
 from .. import canonical, pending
 from ..canonical import STD_EPS, STD_FLOOR
 from ..checks import loss_options
-from ..contract import FP32_MAX, AdvantageStd, LossContractError, TokenNormalizer, inverse_temperature
-from ..native.grpo_loss import token_formulas
+from ..contract import FP32_MAX, AdvantageStd, LossContractError, Surrogate, TokenNormalizer, inverse_temperature
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .launch import SURROGATES, finish_options, pick, twins
-from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad, selected_logprobs
+from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
 _FP32_MAX = tl.constexpr(FP32_MAX)  # a kernel reads a global only as a constexpr
@@ -60,6 +59,7 @@ def _sequence_kernel(
     mask_ptr,  # completion mask [N], any dtype, nonzero = active
     ids_ptr,  # action ids [N]
     is_ptr,  # importance weights [N] fp32 (HAS_IS)
+    ratio_ptr,  # the tokens' ratios [N] fp32 (GIVEN_RATIO: GSPO's sequence ratios)
     adv_ptr,  # out: the advantages the tokens read, fp32 [B] (TOKEN_ADV: [N], 0.0 at inactive tokens)
     seq_ptr,  # out: fp32 [2, B] = per-sequence token sums of the clipped surrogate and of the k3 KL (SUMS)
     counts_ptr,  # out: int64 [B] = active tokens (mask set, id in range)
@@ -73,6 +73,7 @@ def _sequence_kernel(
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,  # the KL term times the ratio
     SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO (with tau_pos, tau_neg)
+    GIVEN_RATIO: tl.constexpr,
     SUMS: tl.constexpr,
     CHECK_MASK: tl.constexpr,  # the mask is not bool: its values must be 0 or 1
     GIVEN: tl.constexpr,  # the advantages are given: no group statistics
@@ -123,7 +124,10 @@ def _sequence_kernel(
             logp = tl.load(out_ptr + row, mask=inside, other=0.0)
             old = tl.load(old_ptr + row, mask=active, other=0.0)
             finite = (tl.abs(logp) < float("inf")) & (tl.abs(old) < float("inf"))  # false for NaN too
-            ratio = tl.exp(tl.where(active, logp - old, 0.0))
+            if GIVEN_RATIO:
+                ratio = tl.load(ratio_ptr + row, mask=active, other=1.0)
+            else:
+                ratio = tl.exp(tl.where(active, logp - old, 0.0))
             if SURROGATE == 1:
                 policy = -((tl.minimum(ratio, hi) * a) * logp)
             elif SURROGATE == 2:
@@ -238,7 +242,7 @@ _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, lo, hi, beta, inv,
              single_pass, means, denom, constant, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
-             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None):
+             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None, sequence=False):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
     loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
     advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. `ref_logps` (fp32 `[B * T]`, in place of
@@ -246,7 +250,8 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
     tokens, or None), `bias_kl`, `surrogate` (0 clipped, 1 CISPO, 2 SAPO) and its `tau_*` as in `canonical.token_coef`
     (`lo`, `hi`: `canonical.bounds`). Two-pass mode launches the row kernel
     first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
-    gradient (default: a new tensor)."""
+    gradient (default: a new tensor). `sequence` (GSPO, two-pass only): the sequence kernel reads each token's ratio
+    from `sequence_ratio`, returned in the place of `grad`."""
     B, T, V = policy.shape
     dev = policy.device
     ids, mask = flat(ids), flat(mask)
@@ -264,12 +269,12 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
                               grad if single_pass else None, lo, hi, beta, inv, ref_logps, delta,
                               is_ratio, bias_kl, surrogate, (tau_pos, tau_neg))
 
-    def sequences(out, sums):
+    def sequences(out, sums, ratio=None):
         launch(_sequence_kernel)[(B,)](
             out, old, source, source if given else bounds, source if given else group_of, mask, ids,
-            old if is_ratio is None else is_ratio, adv, seq, counts, flags, B, T, V, lo, hi, delta, tau_pos, tau_neg,
-            STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None, HAS_IS=is_ratio is not None,
-            BIAS_KL=bias_kl, SURROGATE=surrogate,
+            old if is_ratio is None else is_ratio, old if ratio is None else ratio, adv, seq, counts, flags, B, T, V,
+            lo, hi, delta, tau_pos, tau_neg, STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None,
+            HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=surrogate, GIVEN_RATIO=ratio is not None,
             SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
             BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
@@ -278,8 +283,18 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
     if single_pass:  # the gradient coefficient needs the advantages and the weights first
         sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read
     out = rows_kernel()
-    sequences(out, True)
+    if sequence:
+        grad = sequence_ratio(out[0], old, mask, B)
+    sequences(out, True, grad if sequence else None)
     return out, adv, weight, scalars, flags, grad
+
+
+def sequence_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, B: int) -> torch.Tensor:
+    """GSPO's ratio at each token `[N]` (1.0 at masked ones) from the flat log-probs: torch's sum and exp of the
+    sequence's mean log-ratio over its active tokens (`canonical.sequence_log_ratio` is the deterministic path's)."""
+    on = (mask != 0).view(B, -1)
+    log_ratio = torch.where(on, logp.view(B, -1) - old.view(B, -1), 0.0).sum(-1) / on.sum(-1).clamp(min=1)
+    return torch.where(on, torch.exp(log_ratio).unsqueeze(-1), 1.0).view(-1)
 
 
 @triton_op("grpo_core::grpo_forward", mutates_args={})
@@ -312,8 +327,9 @@ class _GRPOLoss(torch.autograd.Function):
     second pass over the policy rows (two pass), scaled by `grad_output` in either case."""
 
     @staticmethod
-    def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, is_ratio, opts):
+    def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, is_ratio, opts, sequence=None):
         ctx.opts = opts  # lo, hi, beta, has_ref, inv, delta, bias_kl, surrogate, tau_pos, tau_neg
+        ctx.sequence = sequence  # GSPO: the surrogate, and `grad` holds the sequence ratios
         ctx.save_for_backward(policy, grad, ids, mask, out, old, adv, weight, is_ratio)
         return loss.clone()
 
@@ -321,7 +337,10 @@ class _GRPOLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         policy, grad, ids, mask, out, old, adv, weight, is_ratio = ctx.saved_tensors
         grad_loss = grad_loss.float().reshape(1)
-        if grad.numel() == 0:  # two pass
+        if ctx.sequence is not None:
+            grad = _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, grad, grad_loss, ctx.opts,
+                                  ctx.sequence)
+        elif grad.numel() == 0:  # two pass
             if torch.compiler.is_compiling():
                 grad = grpo_backward(policy, ids, mask, out, old, adv, weight, is_ratio, grad_loss, *ctx.opts)
             else:
@@ -339,7 +358,27 @@ class _GRPOLoss(torch.autograd.Function):
             if g.shape[0] > 0:
                 pick(_SCALE, g.shape[1], g.stride(0))[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0),
                                                                      BLOCK=block(g.shape[1]))
-        return (grad,) + (None,) * 10
+        return (grad,) + (None,) * 11
+
+
+def _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, ratio, grad_loss, opts, surrogate) -> torch.Tensor:
+    """GSPO's backward: `canonical.sequence_coef` (with torch's exp and sigmoid) from the saved log-probs and sequence
+    ratios, then the second pass with that coefficient per token."""
+    lo, hi, beta, has_ref, inv, delta, bias_kl, _, tau_pos, tau_neg = opts
+    on = mask != 0
+    B, T = on.shape
+    logp, ratio = out[0].view(B, T), ratio.view(B, T)
+    ref = kl = None
+    if has_ref:
+        ref = out[1].view(B, T)
+        d = torch.where(on, ref - logp, 0.0)
+        kl = (torch.exp(d) - d - 1.0) * ratio
+    coef = canonical.sequence_coef(ratio, kl, logp, ref, adv, weight, on, canonical.fp32(lo, logp),
+                                   canonical.fp32(hi, logp), beta, None if delta == math.inf else delta,
+                                   None if is_ratio is None else is_ratio.view(B, T), bias_kl, surrogate,
+                                   (tau_pos, tau_neg) if surrogate is Surrogate.SAPO else None, exp=torch.exp,
+                                   sigmoid=torch.sigmoid)
+    return launch_grad(lambda k: k, policy, ids, mask, out, coef * grad_loss, inv=inv)
 
 
 class TritonGRPOLossOp:
@@ -348,10 +387,9 @@ class TritonGRPOLossOp:
     `check_values`.
 
     `importance_sampling_level="sequence"` (GSPO): each token's terms read its sequence's ratio, so no token's
-    gradient is known before the whole sequence is read. The op then takes the log-probs from the row kernels (their
-    backward is the second pass) and the token formulas from `native.grpo_loss.token_formulas` (autograd on
-    `[B, T]`); the values are checked in the call (one device sync) whatever `check_values` says, and
-    `single_pass` / `inplace` are refused.
+    gradient is known before the whole sequence is read: two-pass only (`single_pass` / `inplace` are refused). The
+    sequence kernel reads the ratios (`sequence_ratio`, torch ops on `[B, T]` between the kernels), and the backward
+    computes each token's coefficient (`canonical.sequence_coef` on `[B, T]`) before its second pass. Eager only.
 
     `check_values`: a bad id, mask value, reward, given advantage or old log-prob, or a non-finite log-prob,
     raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
@@ -379,22 +417,18 @@ class TritonGRPOLossOp:
                  importance_sampling_level: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
-        sequence = importance_sampling_level == "sequence"  # then the values are checked in the call
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
-                         advantage_std, values=sequence, temperature=temperature, advantages=advantages,
+                         advantage_std, values=False, temperature=temperature, advantages=advantages,
                          loss_type=loss_type, max_completion_length=max_completion_length, ref_logps=ref_logps,
                          delta=delta, use_bias_correction_kl=use_bias_correction_kl,
                          importance_sampling_ratio=importance_sampling_ratio,
                          sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                          importance_sampling_level=importance_sampling_level)
-        if o.sequence_level:
-            if single_pass or inplace:
-                raise LossContractError("single_pass / inplace: expected False with importance_sampling_level="
-                                        "'sequence' (each token's gradient needs its sequence's ratio, known only once "
-                                        "every token of the sequence has been read)")
-            return tuple(token_formulas(self.backend, selected_logprobs, policy_logits, ref_logits, ref_logps,
-                                        action_ids, old_logps, rewards, advantages, o, {}, importance_sampling_ratio))
+        if o.sequence_level and (single_pass or inplace):
+            raise LossContractError("single_pass / inplace: expected False with importance_sampling_level='sequence' "
+                                    "(each token's gradient needs its sequence's ratio, known only once every token "
+                                    "of the sequence has been read)")
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
@@ -419,10 +453,10 @@ class TritonGRPOLossOp:
                 *finish_options(o.normalizer, o.constant, B), given_ref, delta, is_ratio, o.bias_kl, *surrogate)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
             out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
-        elif torch.compiler.is_compiling():
+        elif torch.compiler.is_compiling() and not o.sequence_level:
             out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
-        else:
-            out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args)
+        else:  # GSPO: `grad` holds the tokens' sequence ratios
+            out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, sequence=o.sequence_level)
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
                            out[1].view(B, T) if has_ref else None, advantages,
@@ -431,5 +465,6 @@ class TritonGRPOLossOp:
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
-                                   is_ratio, (*clip, has_ref, inv, delta, o.bias_kl, *surrogate))
+                                   is_ratio, (*clip, has_ref, inv, delta, o.bias_kl, *surrogate),
+                                   o.surrogate if o.sequence_level else None)
         return loss, policy_loss, kl

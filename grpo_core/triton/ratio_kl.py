@@ -408,30 +408,20 @@ token_logprobs.register_autograd(_backward, setup_context=_setup)
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """The eager twin of `token_logprobs` (same launches and backward, no custom-op dispatch on the host); `inv`:
-    the fp32 inverse temperature."""
+    """The eager twin of `token_logprobs` (same launches and backward, no custom-op dispatch on the host)."""
 
     @staticmethod
-    def forward(ctx, policy, ref, ids, mask, inv=1.0):
+    def forward(ctx, policy, ref, ids, mask):
         err = torch.zeros(1, dtype=torch.int32, device=policy.device)
-        out = launch_forward(lambda k: k, policy, ref, ids, mask, err, inv=inv)
+        out = launch_forward(lambda k: k, policy, ref, ids, mask, err)
         ctx.save_for_backward(policy, ids, mask, out)
         ctx.mark_non_differentiable(err)
-        ctx.inv = inv
         return out, err
 
     @staticmethod
     def backward(ctx, grad_out, grad_err):
         policy, ids, mask, out = ctx.saved_tensors
-        return launch_grad(lambda k: k, policy, ids, mask, out, grad_out[0], inv=ctx.inv), None, None, None, None
-
-
-def selected_logprobs(logits: torch.Tensor, action_ids: torch.Tensor, mask: torch.Tensor, inv: float = 1.0
-                      ) -> torch.Tensor:
-    """`native.ratio_kl.selected_logprobs` from the row kernels: fp32 `[B, T]`, 0.0 at masked tokens, differentiable
-    (the backward is the second pass); ids at active tokens must be in range (checked before)."""
-    out, _ = _TokenLogprobs.apply(logits, None, action_ids, mask, inv)
-    return out[0].view(mask.shape)
+        return launch_grad(lambda k: k, policy, ids, mask, out, grad_out[0]), None, None, None
 
 
 CHECKS = ("deferred", "sync", "assert")
