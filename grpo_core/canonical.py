@@ -310,7 +310,7 @@ def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: t
     """`ratio = exp(masked(logp - old))` (mask before exp: 1.0 on masked tokens) and `kl = exp(d) - d - 1`
     with `d = masked(logp_ref - logp)` (exactly 0.0 on masked tokens; all zeros without a reference); `bias_kl`
     (TRL's `use_bias_correction_kl`): `kl * ratio`. `sequence` (GSPO): every active token's ratio is its sequence's,
-    `exp(sequence_log_ratio)`, and the product `kl * ratio` is differentiated as it stands."""
+    `exp(sequence_log_ratio)`."""
     zero = torch.zeros_like(logp)
     if sequence:
         ratio = torch.where(mask, exp(sequence_log_ratio(logp, old_logps, mask)).unsqueeze(-1), 1.0)
@@ -322,11 +322,16 @@ def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: t
     kl = exp(d) - d - 1.0
     if not bias_kl:
         return ratio, kl
-    if sequence or not (torch.is_grad_enabled() and logp.requires_grad):
+    if not (torch.is_grad_enabled() and logp.requires_grad):
         return ratio, kl * ratio
     # autograd of the product would give ((1 - e^d) + kl) * ratio, which cancels to a few digits once d passes ~12;
-    # the gradient is -d * ratio exactly (`token_coef`'s), attached to the product's value
-    slope = (-(d * ratio)).detach()
+    # the gradient is -d * ratio exactly (`token_coef`'s; at the sequence level `sequence_coef`'s KL term, each token's
+    # share of its sequence's chain included), attached to the product's value
+    if sequence:
+        slope = torch.where(mask, (-d + (pair_sum(kl).unsqueeze(-1) / _count(mask.sum(-1)).unsqueeze(-1) - kl))
+                            * ratio, 0.0).detach()
+    else:
+        slope = (-(d * ratio)).detach()
     return ratio, (kl * ratio).detach() + slope * (logp - logp.detach())
 
 
@@ -424,33 +429,36 @@ def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor |
     return torch.where(mask, coef * weights.unsqueeze(-1), 0.0)
 
 
-def sequence_coef(ratio: torch.Tensor, kl: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None,
-                  advantages: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
-                  hi: torch.Tensor, beta: float, delta: float | None = None, is_ratio: torch.Tensor | None = None,
-                  bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED,
-                  taus: tuple[float, float] | None = None, exp=exp, sigmoid=sigmoid) -> torch.Tensor:
+def sequence_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None, advantages: torch.Tensor,
+                  weights: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, beta: float,
+                  delta: float | None = None, is_ratio: torch.Tensor | None = None, bias_kl: bool = False,
+                  surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None, exp=exp,
+                  sigmoid=sigmoid) -> torch.Tensor:
     """`token_coef` where every token reads its sequence's ratio `r = ratio` (GSPO, `ratio_and_kl(...,
-    sequence=True)`; `kl` its per-token KL terms). A token's log-prob moves `log r` by `1 / n` (`n`: the sequence's
-    active tokens), so each token's coefficient is the sequence's chain term plus its own:
-    `pair_sum(through) / fp32(max(n, 1)) + own`, where `through` is `token_coef`'s surrogate term (`r * d policy /
-    dr`, weighted; CISPO's ratio is detached: none), plus `(beta * kl) * weight` with `bias_kl`, and `own` is
-    CISPO's term, plus `(beta * dkl) * weight` with `dkl = 1 - exp(d)` (times `r` with `bias_kl`). 0.0 on masked
-    tokens."""
+    sequence=True)`). A token's log-prob moves `log r` by `1 / n` (`n`: the sequence's active tokens), so each
+    token's coefficient is the sequence's chain term plus its own: `pair_sum(through) / fp32(max(n, 1)) + own`,
+    where `through` is `token_coef`'s surrogate term (`r * d policy / dr`, weighted; CISPO's ratio is detached:
+    none) and `own` is CISPO's term, plus `(beta * dkl) * weight` with the k3 KL's `dkl = 1 - exp(d)`; with `bias_kl`
+    (the KL times `r`) `dkl = (-d + (pair_sum(k3) / n - k3)) * r`, `k3 = (exp(d) - d) - 1`: the KL's own and chain
+    terms together, exact for a sequence of one token (`-d * r`, where the two apart cancel once `d` passes ~12).
+    0.0 on masked tokens."""
     w = weights.unsqueeze(-1)
+    n = _count(mask.sum(-1)).unsqueeze(-1)
     policy = token_coef(ratio, logp, None, advantages, weights, mask, lo, hi, 0.0, delta, is_ratio, False, surrogate,
                         taus, exp, sigmoid)
     zero = torch.zeros_like(policy)
     through, own = (zero, policy) if surrogate is Surrogate.CISPO else (policy, zero)
     if logp_ref is not None:
-        b = fp32(beta, policy)
         d = torch.where(mask, logp_ref - logp, 0.0)
-        dkl = 1.0 - exp(d)
+        e = exp(d)
         if bias_kl:
-            through = through + (b * kl) * w
-            dkl = dkl * ratio
-        own = own + (b * dkl) * w
-    chain = pair_sum(torch.where(mask, through, 0.0)) / _count(mask.sum(-1))
-    return torch.where(mask, chain.unsqueeze(-1) + own, 0.0)
+            k3 = (e - d) - 1.0
+            dkl = (-d + (pair_sum(k3).unsqueeze(-1) / n - k3)) * ratio
+        else:
+            dkl = 1.0 - e
+        own = own + (fp32(beta, policy) * dkl) * w
+    chain = pair_sum(torch.where(mask, through, 0.0)).unsqueeze(-1) / n
+    return torch.where(mask, chain + own, 0.0)
 
 
 def clipped_tokens(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: torch.Tensor,
@@ -472,8 +480,8 @@ def batch_metrics(ratio_sums: torch.Tensor, kl_sums: torch.Tensor, clipped: torc
                   sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a trainer logs, fp32 scalars over the batch's active tokens `N = fp32(sum counts)` (1 when there is
     none): `(clip_fraction, mean_ratio, kl_token_mean) = (fp32(sum clipped) / N, pair_sum(ratio_sums) / N,
-    pair_sum(kl_sums) / N)`; integer sums are exact. `sequence` (GSPO): the clip fraction counts sequences, as TRL
-    does there, `sequence_clip_fraction(clipped)`."""
+    pair_sum(kl_sums) / N)`; integer sums are exact. `sequence` (GSPO with an advantage per sequence): the clip
+    fraction counts sequences, as TRL does there, `sequence_clip_fraction(clipped)`."""
     tokens = _count(counts.sum())
     clip = sequence_clip_fraction(clipped) if sequence else clipped.sum().to(F32) / tokens
     return clip, pair_sum(ratio_sums) / tokens, pair_sum(kl_sums) / tokens

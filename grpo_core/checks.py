@@ -15,7 +15,7 @@ import torch
 
 from .contract import (AdvantagesInput, AdvantageStd, GRPOLossContract, ImportanceSamplingLevel, LossContractError,
                        Surrogate, TokenNormalizer, check_groups, check_max_length_product, check_no_groups,
-                       check_options, normalizer_value, surrogate_of)
+                       check_options, normalizer_value, sequence_clip, surrogate_of)
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SHOWN = 8  # how many bad positions an error lists
@@ -303,6 +303,10 @@ class LossOptions:
     @property
     def sequence_level(self) -> bool:
         return self.level is ImportanceSamplingLevel.SEQUENCE
+
+    @property
+    def sequence_clip(self) -> bool:
+        return sequence_clip(self.level, self.advantages_input)
 
     @classmethod
     def of(cls, contract: GRPOLossContract, mask: torch.Tensor) -> LossOptions:

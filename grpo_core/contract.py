@@ -86,6 +86,12 @@ LOSS_TYPES = {"grpo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, "bnpo": Toke
 SAPO_TEMPERATURES = (1.0, 1.05)  # TRL's and Liger's defaults (positive, negative advantages)
 
 
+def sequence_clip(level: ImportanceSamplingLevel, kind: AdvantagesInput) -> bool:
+    """Whether the clip fraction counts sequences: GSPO with an advantage per sequence (TRL's `[B, 1]` terms; with
+    advantages per token TRL's terms are `[B, T]` and it counts tokens)."""
+    return level is ImportanceSamplingLevel.SEQUENCE and kind is not AdvantagesInput.TOKEN
+
+
 def surrogate_of(loss_type: str | None) -> Surrogate:
     return Surrogate.CISPO if loss_type == "cispo" else Surrogate.SAPO if loss_type == "sapo" else Surrogate.CLIPPED
 
@@ -433,6 +439,10 @@ class GRPOLossContract:
     def surrogate(self) -> Surrogate:
         """The per-token policy term `loss_type` names (the clipped surrogate unless 'cispo' or 'sapo')."""
         return surrogate_of(self.loss_type)
+
+    @property
+    def sequence_clip(self) -> bool:
+        return sequence_clip(self.importance_sampling_level, self.advantages_input)
 
     @property
     def sapo_temperatures(self) -> tuple[float, float] | None:

@@ -508,9 +508,9 @@ class LinearGRPOLossOp:
                 check_derived_advantages(advantages_all, rewards_all, contract.groups)
             check_loss(loss)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts,
-                                                                           sequence)
+                                                                           contract.sequence_clip)
         if grads is not None and sequence:
-            coef = canonical.sequence_coef(ratio, kl_tok, logp, logp_ref, adv, w_tok, mask, lo_t, hi_t, contract.beta,
+            coef = canonical.sequence_coef(ratio, logp, logp_ref, adv, w_tok, mask, lo_t, hi_t, contract.beta,
                                            contract.delta, is_ratio, contract.use_bias_correction_kl,
                                            contract.surrogate, taus)
             with torch.no_grad():

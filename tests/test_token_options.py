@@ -296,16 +296,19 @@ def test_fingerprint_moves_only_with_the_options():
 
 
 @pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton"])
-def test_bias_corrected_kl_gradient_keeps_its_digits(backend):
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_bias_corrected_kl_gradient_keeps_its_digits(backend, level):
     """`d (kl * ratio) / d logp = -d * ratio` (d = ref - logp), computed so: written as `((1 - e^d) + kl) * ratio` it
-    cancels to a few digits of `e^d` once `d` passes ~12 (the policy far below the reference at the action)."""
-    x = torch.tensor([[[0.0, -18.0], [0.0, -30.0]]], device=DEV).requires_grad_(True)
-    ids, mask = torch.ones(1, 2, dtype=torch.long, device=DEV), torch.ones(1, 2, dtype=torch.bool, device=DEV)
+    cancels to a few digits of `e^d` once `d` passes ~12 (the policy far below the reference at the action). At the
+    sequence level (here two sequences of one token: the KL's chain term is the token's own) the same."""
+    S, T = (1, 2) if level == "token" else (2, 1)
+    x = torch.tensor([[0.0, -18.0], [0.0, -30.0]], device=DEV).view(S, T, 2).requires_grad_(True)
+    ids, mask = torch.ones(S, T, dtype=torch.long, device=DEV), torch.ones(S, T, dtype=torch.bool, device=DEV)
     logp = torch.log_softmax(x.detach().double(), -1)[..., 1]
-    old, ref, adv = logp.float(), torch.zeros(1, 2, device=DEV), torch.zeros(1, device=DEV)
-    options = dict(use_bias_correction_kl=True)
+    old, ref, adv = logp.float(), torch.zeros(S, T, device=DEV), torch.zeros(S, device=DEV)
+    options = dict(use_bias_correction_kl=True, importance_sampling_level=level)
     if backend.startswith("distributed"):
-        c = GRPOLossContract(num_sequences=1, padded_seq_len=2, vocab_size=2, beta=0.04, advantages_input="sequence",
+        c = GRPOLossContract(num_sequences=S, padded_seq_len=T, vocab_size=2, beta=0.04, advantages_input="sequence",
                              determinism_scope="topology_invariant", **options)
         loss = DistributedGRPOLossOp(backend.split("/")[1]).apply(x, ids, old, contract=c, completion_mask=mask,
                                                                   advantages=adv, ref_logps=ref).loss
@@ -316,3 +319,28 @@ def test_bias_corrected_kl_gradient_keeps_its_digits(backend):
     ratio, d, p = torch.exp(logp - old.double()), -logp, torch.exp(logp)
     want = -0.04 * d * ratio * (1 - p) / 2  # at the action's logit; two active tokens
     assert_close_verbose(x.grad[..., 1], want, atol=0, rtol=1e-5, what=f"{backend} grad at the action")
+
+
+@pytest.mark.parametrize("backend", ["distributed/torch", "distributed/triton", "linear"])
+def test_sequence_level_clip_fraction_counts_what_trl_counts(backend):
+    """GSPO: with an advantage per sequence TRL's clip ratio is a mean over the B sequences (its terms are `[B, 1]`);
+    with advantages per token it stays a mean over the active tokens."""
+    i, m = INPUTS, INPUTS["completion_mask"]
+    lp = torch.log_softmax(i["policy_logits"].double(), -1).gather(-1, i["action_ids"][..., None])[..., 0]
+    ratio = torch.exp((((lp - i["old_logps"].double()) * m).sum(-1) / m.sum(-1).clamp(min=1)))
+    for adv in (ADV, ADV[:, None].expand(B, T).contiguous()):
+        a = adv if adv.dim() == 2 else adv[:, None]
+        clipped = ((ratio[:, None] > 1.1) & (a > 0)) | ((ratio[:, None] < 1 - LO) & (a < 0))
+        want = clipped.double().mean() if adv.dim() == 1 else (clipped & m).sum() / m.sum()
+        options = dict(clip_eps=LO, clip_eps_high=0.1, beta=0.0, importance_sampling_level="sequence")
+        if backend == "linear":
+            res = linear_grpo_loss(i["policy_logits"].float(), torch.eye(V, device=DEV), i["action_ids"],
+                                   i["old_logps"], None, m, advantages=adv, kernels="torch", **options)
+        else:
+            c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, advantages_input="sequence"
+                                 if adv.dim() == 1 else "token", determinism_scope="topology_invariant", **options)
+            res = DistributedGRPOLossOp(backend.split("/")[1]).apply(i["policy_logits"], i["action_ids"],
+                                                                     i["old_logps"], contract=c, completion_mask=m,
+                                                                     advantages=adv, check_values="sync")
+        assert 0 < want < 1
+        assert res.clip_fraction.item() == pytest.approx(want.item(), abs=1e-7)

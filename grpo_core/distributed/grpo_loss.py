@@ -206,7 +206,7 @@ class DistributedGRPOLossOp:
         ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
         scalars, w, flag = k.finish(sums, ints, contract)
         loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
-        if c.sequence:
+        if contract.sequence_clip:
             clip_fraction = canonical.sequence_clip_fraction(ints[2])
         k.settle(c, (policy_local_logits, ref_local_logits, ref_logps, old_logps, rewards, advantages,
                      importance_sampling_ratio), flag, ints[1],
@@ -294,7 +294,7 @@ class _TorchKernels:
         sums = torch.stack([self.token_sum(policy),
                             self.token_sum(kl_tok), local_ratio])
         ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
-        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, kl_tok, adv, lo_t, hi_t)
+        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -320,11 +320,11 @@ class _TorchKernels:
 
     @staticmethod
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
-        rows, ids, lse, ratio, kl_tok, adv, lo_t, hi_t = state
+        rows, ids, lse, ratio, adv, lo_t, hi_t = state
         o = c.contract
-        args = (logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
-                o.surrogate, o.sapo_temperatures)
-        coef = canonical.sequence_coef(ratio, kl_tok, *args) if c.sequence else canonical.token_coef(ratio, *args)
+        coef = (canonical.sequence_coef if c.sequence else canonical.token_coef)(
+            ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
+            o.surrogate, o.sapo_temperatures)
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
         scaled = coef.reshape(-1)[rows] * grad_loss
@@ -368,14 +368,13 @@ class _TritonKernels:
         logp = torch.where(c.mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
         logp_ref = logp[1] if ref is not None else given_ref
         o = c.contract
-        seq = None  # GSPO: the sequence ratios and KL terms of `canonical`, read by the kernels and the gradient
+        ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
-            seq = canonical.ratio_and_kl(logp[0], logp_ref, c.old, c.mask, kernels.exp_of,
-                                         o.use_bias_correction_kl, sequence=True)
+            ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl,
-                                           o.surrogate, o.sapo_temperatures, None if seq is None else seq[0])
-        return logp[0], logp_ref, sums, ints, (lse[0], adv, seq)
+                                           o.surrogate, o.sapo_temperatures, ratio)
+        return logp[0], logp_ref, sums, ints, (lse[0], adv, ratio)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -424,12 +423,12 @@ class _TritonKernels:
     @staticmethod
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
         from ..triton import canonical as kernels
-        lse, adv, seq = state
+        lse, adv, ratio = state
         o = c.contract
         coef = None
-        if seq is not None:
+        if ratio is not None:
             lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
-            coef = canonical.sequence_coef(*seq, logp, logp_ref, canonical.used_advantages(adv, c.mask), w, c.mask,
+            coef = canonical.sequence_coef(ratio, logp, logp_ref, canonical.used_advantages(adv, c.mask), w, c.mask,
                                            lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, kernels.exp_of, kernels.sigmoid_of)
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,

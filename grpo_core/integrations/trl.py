@@ -6,7 +6,8 @@
 old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)` with `_input` the last
 hidden states `[B, T, H]`, and the same return `(loss, metrics)`: `metrics = (kl, clip_ratio)` when `beta != 0`,
 `(clip_ratio,)` otherwise, each a mean over the active tokens (cispo's clip ratio: the tokens with ratio >
-epsilon_high and A > 0; sapo's: 0). It needs torch only.
+epsilon_high and A > 0; sapo's: 0; with `importance_sampling_level="sequence"` the clip ratio is a mean over the
+sequences, as TRL logs it). It needs torch only.
 
 `GRPOCoreTrainer` (needs the `trl` extra: trl 1.16) is TRL's `GRPOTrainer` training on our loss. TRL 1.16 builds no
 Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with its own chunked LM head
@@ -22,12 +23,12 @@ Loss types (TRL's semantics; each is the op's `loss_type`): grpo, bnpo, dr_grpo 
 under their token normalizers); cispo (`-sg(min(ratio, epsilon_high)) * A * logp`, the ratio clamped at
 `epsilon_high` itself, normalized as dapo: TRL's `num_items_in_batch`); sapo (`-sigmoid(tau * (ratio - 1)) * 4 / tau
 * A`, tau `sapo_temperature_pos` where A > 0 else `sapo_temperature_neg`, normalized as grpo); luspo (the clipped
-surrogate with the token ratio, each sequence's token sum averaged over the sequences). As in TRL, the
+surrogate, each sequence's token sum averaged over the sequences). As in TRL, the
 trainer divides the loss by the accumulation steps except for dapo and cispo, whose normalizer holds them.
 
 TRL's (and Liger's) loss options reach the loss: `delta` (two-sided clipping, the clipped surrogate's only: the
 unclipped ratio clamped above at delta; below 1 + epsilon_high, the logged `clip_ratio/region_mean` counts the ratio
-and TRL's the clamped ratio), `use_bias_correction_kl` (the k3 KL times the token ratio; TRL 1.16's default) and the
+and TRL's the clamped ratio), `use_bias_correction_kl` (the k3 KL times the ratio; TRL 1.16's default) and the
 vLLM importance sampling correction (Liger's `vllm_is_ratio`, TRL's `inputs["importance_sampling_ratio"]`, `[B, T]`
 or `[B, 1]`, multiplied into the policy term and not into the KL). The trainer takes them, and the SAPO
 temperatures, from its config, the ratio exactly when TRL applies it (`use_vllm` and
@@ -37,9 +38,9 @@ temperatures, from its config, the ratio exactly when TRL applies it (`use_vllm`
 ratio it logs is then TRL's mean over the sequences.
 
 Not supported, refused with a `ValueError` naming the argument: loss type vespo (its per-token term is not computed);
-`delta` with cispo or sapo (TRL ignores it there: leave it None). The trainer also refuses what needs the token entropies or a loss term of its own (`top_entropy_quantile`,
-`entropy_coef`, `use_adaptive_entropy`, `off_policy_mask_threshold`, a MoE router loss), logits that the model soft-caps
-or scales, and vision inputs.
+`delta` with cispo or sapo (TRL ignores it there: leave it None). The trainer also refuses what needs the token
+entropies or a loss term of its own (`top_entropy_quantile`, `entropy_coef`, `use_adaptive_entropy`,
+`off_policy_mask_threshold`, a MoE router loss), logits that the model soft-caps or scales, and vision inputs.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class NativeGRPOLossOp:
         check_loss(loss.detach())
         ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
-                                                                           counts, o.sequence_level)
+                                                                           counts, o.sequence_clip)
         return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
                               per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
                               per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,

@@ -367,13 +367,8 @@ def _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, ratio, grad_lo
     lo, hi, beta, has_ref, inv, delta, bias_kl, _, tau_pos, tau_neg = opts
     on = mask != 0
     B, T = on.shape
-    logp, ratio = out[0].view(B, T), ratio.view(B, T)
-    ref = kl = None
-    if has_ref:
-        ref = out[1].view(B, T)
-        d = torch.where(on, ref - logp, 0.0)
-        kl = (torch.exp(d) - d - 1.0) * ratio
-    coef = canonical.sequence_coef(ratio, kl, logp, ref, adv, weight, on, canonical.fp32(lo, logp),
+    logp, ref = out[0].view(B, T), out[1].view(B, T) if has_ref else None
+    coef = canonical.sequence_coef(ratio.view(B, T), logp, ref, adv, weight, on, canonical.fp32(lo, logp),
                                    canonical.fp32(hi, logp), beta, None if delta == math.inf else delta,
                                    None if is_ratio is None else is_ratio.view(B, T), bias_kl, surrogate,
                                    (tau_pos, tau_neg) if surrogate is Surrogate.SAPO else None, exp=torch.exp,
