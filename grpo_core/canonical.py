@@ -305,6 +305,19 @@ def sequence_log_ratio(logp: torch.Tensor, old_logps: torch.Tensor, mask: torch.
     return pair_sum(torch.where(mask, logp - old_logps.to(F32), 0.0)) / _count(mask.sum(-1))
 
 
+def off_policy_weights(logp: torch.Tensor, sampling_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       threshold: float, is_ratio: torch.Tensor | None) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's `off_policy_mask_threshold`) folded into the importance weights,
+    fp32 `[S, T]`: a token keeps its weight (`is_ratio`, `given_logprobs`, or 1.0) where its advantage is >= 0 or its
+    sequence's mean of `sampling - logp` over its active tokens is <= `fp32(threshold)` (`pair_sum` / the count; a
+    NaN sampling log-prob counts 0.0, as TRL's), else 0.0; 0.0 on masked tokens. Multiplying the policy term by it is
+    TRL's `per_token_loss * off_policy_mask`; `logp` is read detached."""
+    d = torch.where(mask & ~torch.isnan(sampling_logps), sampling_logps.to(F32) - logp.detach(), 0.0)
+    kl = pair_sum(d) / _count(mask.sum(-1))
+    keep = mask & ((_per_token(advantages) >= 0) | (kl <= fp32(threshold, kl)).unsqueeze(-1))
+    return torch.where(keep, 1.0 if is_ratio is None else is_ratio, 0.0)
+
+
 def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,
                  exp=exp, bias_kl: bool = False, sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`ratio = exp(masked(logp - old))` (mask before exp: 1.0 on masked tokens) and `kl = exp(d) - d - 1`

@@ -92,7 +92,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
                  completion_mask: Any, *, beta: float, vocab_size: int | None = None,
                  num_rewards: int | None = None, values: bool = True, rewards_required: bool = False,
                  advantages: Any = None, advantages_input: AdvantagesInput | None = None,
-                 ref_logps: Any = None, importance_sampling_ratio: Any = None) -> torch.Tensor:
+                 ref_logps: Any = None, importance_sampling_ratio: Any = None,
+                 sampling_logps: Any = None) -> torch.Tensor:
     """Checks the loss inputs against each other and returns the completion mask as bool `[B, T]`.
 
     Types first: every argument must be a tensor with data (`ref_logits` may be None, and so may `ref_logps`, the
@@ -105,13 +106,14 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     float32) at active tokens (a sequence's advantage where it has one), and so must given `ref_logps`; masked
     positions may hold anything (padding ids, NaN). `importance_sampling_ratio` (optional): the rollout engine's
     importance weights, `[B, T]` or `[B, 1]` (one per sequence), finite and >= 0 where an active token reads them.
-    `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes
+    `sampling_logps` (optional, `[B, T]`): the sampler's log-probs for the off-policy mask, not +-inf at active
+    tokens (NaN: a token the sampler did not score). `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes
     `check_inputs(..., values=True)` when its kernels flag bad values.
     """
     for name, t, optional in (("policy_logits", policy_logits, False), ("ref_logits", ref_logits, True),
                               ("ref_logps", ref_logps, True),
                               ("importance_sampling_ratio", importance_sampling_ratio, True),
-                              ("action_ids", action_ids, False),
+                              ("sampling_logps", sampling_logps, True), ("action_ids", action_ids, False),
                               ("old_logps", old_logps, False),
                               ("rewards", rewards, None), ("advantages", advantages, None),
                               ("completion_mask", completion_mask, False)):
@@ -146,6 +148,10 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
                                     f"[B, 1] = [{B}, 1] (one per sequence), got {list(weights.shape)}")
         if not weights.is_floating_point():
             raise LossContractError(f"importance_sampling_ratio: expected a floating dtype, got {weights.dtype}")
+    if sampling_logps is not None:
+        _shape("sampling_logps", sampling_logps, (B, T), "[B, T]")
+        if not sampling_logps.is_floating_point():
+            raise LossContractError(f"sampling_logps: expected a floating dtype, got {sampling_logps.dtype}")
     if completion_mask.dim() != 2:
         raise LossContractError(f"completion_mask: expected a 2-D tensor [B, T], got {list(completion_mask.shape)}")
     _shape("completion_mask", completion_mask, (B, T), "[B, T]")
@@ -173,7 +179,7 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     if not old_logps.is_floating_point():
         raise LossContractError(f"old_logps: expected a floating dtype, got {old_logps.dtype}")
     for name, t in (("ref_logits", ref_logits), ("ref_logps", ref_logps), ("importance_sampling_ratio", weights),
-                    ("action_ids", action_ids),
+                    ("sampling_logps", sampling_logps), ("action_ids", action_ids),
                     ("old_logps", old_logps), ("rewards", rewards), ("advantages", advantages),
                     ("completion_mask", completion_mask)):
         if t is not None and t.device != policy_logits.device:
@@ -215,6 +221,11 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
         if bool(bad_w.any()):
             raise LossContractError(f"importance_sampling_ratio: expected finite values >= 0 at active tokens, got "
                                     f"others at (b, t) {_tokens(bad_w)} (checked in float32)")
+    if sampling_logps is not None:
+        bad_s = mask & torch.isinf(sampling_logps.to(torch.float32))
+        if bool(bad_s.any()):
+            raise LossContractError(f"sampling_logps: expected finite values (or NaN: not scored) at active tokens, "
+                                    f"got +-inf at (b, t) {_tokens(bad_s)} (checked in float32)")
     if advantages is not None:
         finite = torch.isfinite(advantages.to(torch.float32))  # after the cast, like rewards
         if advantages.dim() == 2:
@@ -279,6 +290,13 @@ def check_loss(loss: torch.Tensor) -> None:
                                 "rewards or advantages down")
 
 
+def check_sampling_logps(sampling_logps: Any, threshold: float | None) -> None:
+    """The sampler's log-probs are read by the off-policy mask only: given without it, they would be ignored."""
+    if sampling_logps is not None and threshold is None:
+        raise LossContractError("sampling_logps: only read by the off-policy mask, but off_policy_mask_threshold is "
+                                "None; leave it None or set the threshold")
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """The options a loss runs with, validated: from the plain call (`loss_options`) or from a contract
@@ -299,6 +317,7 @@ class LossOptions:
     surrogate: Surrogate = Surrogate.CLIPPED
     taus: tuple[float, float] | None = None  # SAPO's temperatures (positive, negative advantages)
     level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN  # the token's own ratio, or its sequence's (GSPO)
+    off_policy: float | None = None  # the off-policy mask's threshold (None: off)
 
     @property
     def sequence_level(self) -> bool:
@@ -313,7 +332,7 @@ class LossOptions:
         return cls(mask, contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
                    contract.advantages_input, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
-                   contract.sapo_temperatures, contract.importance_sampling_level)
+                   contract.sapo_temperatures, contract.importance_sampling_level, contract.off_policy_mask_threshold)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
@@ -322,17 +341,20 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                  max_completion_length: Any = None, ref_logps: Any = None, delta: Any = None,
                  use_bias_correction_kl: Any = False, importance_sampling_ratio: Any = None,
                  sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
-                 importance_sampling_level: Any = "token") -> LossOptions:
+                 importance_sampling_level: Any = "token", off_policy_mask_threshold: Any = None,
+                 sampling_logps: Any = None) -> LossOptions:
     """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                       normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
                       loss_type=loss_type, max_completion_length=max_completion_length,
                       rewards_input=advantages is None, delta=delta, use_bias_correction_kl=use_bias_correction_kl,
                       sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                      importance_sampling_level=importance_sampling_level)
+                      importance_sampling_level=importance_sampling_level,
+                      off_policy_mask_threshold=off_policy_mask_threshold)
+    check_sampling_logps(sampling_logps, o["off_policy_mask_threshold"])
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
                         values=values, rewards_required=True, advantages=advantages, ref_logps=ref_logps,
-                        importance_sampling_ratio=importance_sampling_ratio)
+                        importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps)
     B, T = mask.shape
     if B == 0:
         raise LossContractError("policy_logits: expected at least one sequence (B >= 1), got B = 0")
@@ -349,4 +371,4 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                        surrogate_of(loss_type),
                        None if o["sapo_temperature_pos"] is None else (o["sapo_temperature_pos"],
                                                                        o["sapo_temperature_neg"]),
-                       o["importance_sampling_level"])
+                       o["importance_sampling_level"], o["off_policy_mask_threshold"])

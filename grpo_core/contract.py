@@ -9,8 +9,8 @@ needs them; the checks of the tensors, and `loss_options`, which turns a plain c
 options, are in `checks.py`.
 
 Options added for users of other GRPO implementations (`temperature`, given `advantages`, `loss_type`,
-`advantage_std="unbiased_eps"`, `delta`, `use_bias_correction_kl`, `importance_sampling_level`) enter the fingerprint
-only when they differ from their defaults, so that the fingerprint of a contract that does not use them, and every
+`advantage_std="unbiased_eps"`, `delta`, `use_bias_correction_kl`, `importance_sampling_level`,
+`off_policy_mask_threshold`) enter the fingerprint only when they differ from their defaults, so that the fingerprint of a contract that does not use them, and every
 golden recorded with one, stays what it was.
 Every backend computes all of them (the fast Triton op and the distributed op in their kernels).
 """
@@ -357,6 +357,7 @@ class GRPOLossContract:
     sapo_temperature_pos: float | None = None  # loss_type 'sapo' only (None: 1.0)
     sapo_temperature_neg: float | None = None  # loss_type 'sapo' only (None: 1.05)
     importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask (None: off)
     sharding: ShardingSpec | None = None  # None: a single process
     determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
     vocab_tile: int = DEFAULT_VOCAB_TILE
@@ -376,7 +377,8 @@ class GRPOLossContract:
                                 use_bias_correction_kl=self.use_bias_correction_kl,
                                 sapo_temperature_pos=self.sapo_temperature_pos,
                                 sapo_temperature_neg=self.sapo_temperature_neg,
-                                importance_sampling_level=self.importance_sampling_level)
+                                importance_sampling_level=self.importance_sampling_level,
+                                off_policy_mask_threshold=self.off_policy_mask_threshold)
         for name, value in options.items():
             _set(self, name, value)
         _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
@@ -476,6 +478,8 @@ class GRPOLossContract:
             extra["surrogate"] = self.surrogate.value
         if self.importance_sampling_level is not ImportanceSamplingLevel.TOKEN:
             extra["importance_sampling_level"] = self.importance_sampling_level.value
+        if self.off_policy_mask_threshold is not None:
+            extra["off_policy_mask_threshold"] = self.off_policy_mask_threshold.hex()
         if self.surrogate is Surrogate.SAPO:
             extra["sapo_temperatures"] = [self.sapo_temperature_pos.hex(), self.sapo_temperature_neg.hex()]
         return {**extra,
@@ -642,7 +646,8 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
                   advantage_std: Any, temperature: Any = 1.0, loss_type: Any = None, max_completion_length: Any = None,
                   rewards_input: bool = True, delta: Any = None, use_bias_correction_kl: Any = False,
                   sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
-                  importance_sampling_level: Any = ImportanceSamplingLevel.TOKEN) -> dict[str, Any]:
+                  importance_sampling_level: Any = ImportanceSamplingLevel.TOKEN,
+                  off_policy_mask_threshold: Any = None) -> dict[str, Any]:
     """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
     name (`clip_eps_high=None` becomes `clip_eps`; `normalizer` is resolved with `loss_type`; `advantage_std`
     None becomes population when the op takes rewards, `rewards_input`; `delta` None: no upper clamp). Every float
@@ -675,8 +680,15 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
         raise LossContractError(f"use_bias_correction_kl: expected a bool, got {type(use_bias_correction_kl).__name__}"
                                 f" {use_bias_correction_kl!r}")
     level = check_enum(ImportanceSamplingLevel, "importance_sampling_level", importance_sampling_level)
+    threshold = off_policy_mask_threshold
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(
+                to_fp32(float(threshold))):
+            raise LossContractError(f"off_policy_mask_threshold: expected None or a float that is finite in float32 "
+                                    f"(a sequence's mean log-ratio of the sampler to the policy), got {threshold!r}")
+        threshold = float(threshold)
     return dict(delta=check_delta(delta), use_bias_correction_kl=use_bias_correction_kl,
-                importance_sampling_level=level,
+                importance_sampling_level=level, off_policy_mask_threshold=threshold,
                 sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1],
                 clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),

@@ -11,8 +11,8 @@ canonical tile statistics and log-sum-exp of `vocab_parallel_logprob.py` (gather
 when a gradient is wanted, `dz = coef * (onehot - softmax)` (`canonical.token_coef`, the advantages and the
 normalizer's token weights being known before the pass), cast to the weight's dtype, then `dH = dz W` and
 `dW += dz^T h` (and the bias' column sums). Three matmuls per token, nothing recomputed (GSPO's
-`importance_sampling_level="sequence"`: four, the logits computed twice, since a token's coefficient needs every
-log-prob of its sequence; the first pass computes only the log-probs); the gradients are ready
+`importance_sampling_level="sequence"` and the off-policy mask: four, the logits computed twice, since a token's
+coefficient needs every log-prob of its sequence; the first pass computes only the log-probs); the gradients are ready
 when the forward returns and are scaled by `grad_output` in the backward (exact when it is 1.0, as after
 `loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in fp32 until then).
 
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from . import canonical
-from .checks import check_derived_advantages, check_inputs, check_loss, check_tensor, stand_in
+from .checks import check_derived_advantages, check_inputs, check_loss, check_sampling_logps, check_tensor, stand_in
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LogprobContract,
                        LossContractError, Surrogate, check_temperature, inverse_temperature)
 from .distributed.grpo_loss import gather_sequences
@@ -385,9 +385,10 @@ class LinearGRPOLossOp:
               ref_logps: torch.Tensor | None = None, ref_hidden: torch.Tensor | None = None,
               ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
               advantages: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
-              importance_sampling_ratio: torch.Tensor | None = None) -> GRPOLossResult:
+              importance_sampling_ratio: torch.Tensor | None = None, sampling_logps: torch.Tensor | None = None
+              ) -> GRPOLossResult:
         tensors = {"hidden": hidden, "weight": weight, "bias": bias, "action_ids": action_ids,
-                   "importance_sampling_ratio": importance_sampling_ratio,
+                   "importance_sampling_ratio": importance_sampling_ratio, "sampling_logps": sampling_logps,
                    "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask, "ref_logps": ref_logps, "ref_hidden": ref_hidden,
                    "ref_weight": ref_weight, "ref_bias": ref_bias}
@@ -400,6 +401,7 @@ class LinearGRPOLossOp:
             _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps,
                           seq_hi - seq_lo, T, v_hi - v_lo, contract.beta)
             chosen.append(_kernels(self.kernels, hidden.device, contract.vocab_tile))
+            check_sampling_logps(sampling_logps, contract.off_policy_mask_threshold)
             logits = stand_in((seq_hi - seq_lo, T, v_hi - v_lo), hidden.dtype, hidden.device)
             old = old_logps if old_logps is not None else torch.zeros(getattr(action_ids, "shape", ()),
                                                                       device=hidden.device)
@@ -407,7 +409,7 @@ class LinearGRPOLossOp:
                                 completion_mask, beta=contract.beta, vocab_size=contract.vocab_size,
                                 num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=advantages,
                                 advantages_input=contract.advantages_input, ref_logps=ref_logps,
-                                importance_sampling_ratio=importance_sampling_ratio)
+                                importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps)
 
         def replicated() -> str:  # what TP peers must share (the hidden states are not hashed: too large)
             if contract.sharding.tp_world_size == 1:
@@ -420,7 +422,8 @@ class LinearGRPOLossOp:
                                      None if old_logps is None else torch.where(active, old_logps, 0), rewards, given,
                                      None if ref_logps is None else torch.where(active, ref_logps, 0),
                                      None if importance_sampling_ratio is None else
-                                     torch.where(active, importance_sampling_ratio, 0))
+                                     torch.where(active, importance_sampling_ratio, 0),
+                                     None if sampling_logps is None else torch.where(active, sampling_logps, 0))
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         k = chosen[0]
@@ -445,6 +448,7 @@ class LinearGRPOLossOp:
         clip_lo, clip_hi = canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate)
         taus = contract.sapo_temperatures
         sequence = contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE
+        two_pass = sequence or contract.off_policy_mask_threshold is not None  # coefficients from whole sequences
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
@@ -470,8 +474,8 @@ class LinearGRPOLossOp:
             grads = (inputs, zeros(hidden, (n_local * T, H), hidden.dtype), zeros(weight, weight.shape, torch.float32),
                      zeros(bias, (weight.shape[0],), torch.float32))
         matrices = (hidden.detach().reshape(-1, H), weight.detach(), None if bias is None else bias.detach())
-        with torch.no_grad():  # GSPO: the log-probs first, the gradients in a second pass (`sequence_coef`)
-            logp_rows, ref_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv, None if sequence else grads,
+        with torch.no_grad():  # two passes: the log-probs first, the gradients in a second pass
+            logp_rows, ref_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv, None if two_pass else grads,
                                               ref)
         if ref_rows is None:
             ref_rows = given_ref
@@ -489,6 +493,9 @@ class LinearGRPOLossOp:
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl,
                                                sequence=sequence)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
+        if contract.off_policy_mask_threshold is not None:
+            is_ratio = canonical.off_policy_weights(logp, old if sampling_logps is None else sampling_logps, adv,
+                                                    mask, contract.off_policy_mask_threshold, is_ratio)
         sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta,
                                                                         is_ratio, contract.surrogate, logp, taus)),
                             self._token_sum(kl_tok), local_ratio])
@@ -509,10 +516,10 @@ class LinearGRPOLossOp:
             check_loss(loss)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts,
                                                                            contract.sequence_clip)
-        if grads is not None and sequence:
-            coef = canonical.sequence_coef(ratio, logp, logp_ref, adv, w_tok, mask, lo_t, hi_t, contract.beta,
-                                           contract.delta, is_ratio, contract.use_bias_correction_kl,
-                                           contract.surrogate, taus)
+        if grads is not None and two_pass:
+            coef = (canonical.sequence_coef if sequence else canonical.token_coef)(
+                ratio, logp, logp_ref, adv, w_tok, mask, lo_t, hi_t, contract.beta, contract.delta, is_ratio,
+                contract.use_bias_correction_kl, contract.surrogate, taus)
             with torch.no_grad():
                 _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv,
                             (dataclasses.replace(grads[0], coef=coef.reshape(-1)[rows]), *grads[1:]))
@@ -557,7 +564,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                      advantage_std: Any = None, vocab_tile: int = DEFAULT_VOCAB_TILE,
                      kernels: str = "auto", delta: float | None = None, use_bias_correction_kl: bool = False,
                      importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
-                     sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token"
+                     sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token",
+                     off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None
                      ) -> GRPOLossResult:
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
     make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
@@ -574,11 +582,13 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
         advantages_input=kind, loss_type=loss_type, max_completion_length=max_completion_length,
         vocab_tile=vocab_tile, determinism_scope="topology_invariant", delta=delta,
         use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, importance_sampling_level=importance_sampling_level)
+        sapo_temperature_neg=sapo_temperature_neg, importance_sampling_level=importance_sampling_level,
+        off_policy_mask_threshold=off_policy_mask_threshold)
     return LinearGRPOLossOp(kernels).apply(hidden, weight, action_ids, old_logps, rewards, contract=contract,
                                            completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
                                            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
-                                           advantages=advantages, importance_sampling_ratio=importance_sampling_ratio)
+                                           advantages=advantages, importance_sampling_ratio=importance_sampling_ratio,
+                                           sampling_logps=sampling_logps)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,

@@ -93,14 +93,15 @@ def run_case(scn: Scenario, inputs: dict, layout: Layout, tp_rank: int, dp_rank:
         x = mine("hidden").requires_grad_(True)
         res = op.apply(x, mine("weight", True), mine("action_ids"), mine("old_logps"), mine("rewards"),
                        bias=mine("bias", True), ref_hidden=mine("ref_hidden"), ref_logps=mine("ref_logps"),
-                       importance_sampling_ratio=mine("importance_sampling_ratio"), **common)
+                       importance_sampling_ratio=mine("importance_sampling_ratio"),
+                       sampling_logps=mine("sampling_logps"), **common)
     else:
         x = inputs["policy_logits"][lo:hi, :, vlo:vhi].to(device).clone().requires_grad_(True)
         ref = inputs["ref_logits"]
         res = op.apply(x, mine("action_ids"), mine("old_logps"), mine("rewards"),
                        ref_local_logits=None if ref is None else ref[lo:hi, :, vlo:vhi].to(device),
                        ref_logps=mine("ref_logps"), importance_sampling_ratio=mine("importance_sampling_ratio"),
-                       **common)
+                       sampling_logps=mine("sampling_logps"), **common)
     res.loss.backward()
     digests = _gather_grad_digests(x.grad, c, None if scn.linear else tp_group, dp_group)
     rows, fp, topo = [], c.fingerprint(), layout.name

@@ -46,6 +46,8 @@ class Scenario:
     loss_type: str | None = None  # 'cispo', 'sapo', 'luspo': as TRL's (with the normalizer they name)
     taus: tuple[float, float] | None = None  # SAPO's temperatures (None: TRL's defaults)
     level: str = "token"  # importance_sampling_level: "sequence" is GSPO's ratio
+    off_policy: float | None = None  # off_policy_mask_threshold
+    sampling: bool = False  # the off-policy mask reads sampler log-probs (the old ones plus noise), not the old ones
 
     @property
     def linear(self) -> bool:
@@ -66,6 +68,7 @@ class Scenario:
             normalizer_constant=self.normalizer_constant, advantage_std=self.advantage_std, sharding=sharding,
             temperature=self.temperature, determinism_scope="topology_invariant", delta=self.delta,
             use_bias_correction_kl=self.bias_kl, loss_type=self.loss_type, importance_sampling_level=self.level,
+            off_policy_mask_threshold=self.off_policy,
             **({} if self.taus is None else dict(zip(("sapo_temperature_pos", "sapo_temperature_neg"), self.taus))),
             **self.groups)
 
@@ -130,10 +133,12 @@ class Scenario:
         return self._weights(rng, out)
 
     def _weights(self, rng: np.random.RandomState, out: dict) -> dict:
-        """The importance sampling weights in [0.5, 1.5), drawn last (the other inputs keep their bits)."""
+        """The importance sampling weights in [0.5, 1.5), then the sampler's log-probs, drawn last (the other inputs
+        keep their bits)."""
         S, T = self.num_sequences, self.seq_len
         out["importance_sampling_ratio"] = (0.5 + uniform(rng, (S, T if self.is_ratio == "token" else 1))
                                             if self.is_ratio else None)
+        out["sampling_logps"] = out["old_logps"] + 0.1 * normalish(rng, (S, T)) if self.sampling else None
         return out
 
 
@@ -174,6 +179,8 @@ SCENARIOS = {s.name: s for s in [
              empty=(1, 6)),
     Scenario("gspo_bf16", vocab=1031, seed=20, dtype="bfloat16", level="sequence", clip=(0.02, 0.03), bias_kl=True,
              is_ratio="token", empty=(5,), groups={"group_boundaries": (0, 3, 5, 8)}),
+    Scenario("off_policy_bf16", vocab=1031, seed=22, dtype="bfloat16", off_policy=0.01, sampling=True,
+             is_ratio="token", bias_kl=True, clip=(0.2, 0.28)),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),

@@ -1,11 +1,11 @@
 """TRL's per-token options on every backend: `delta` (two-sided clipping), `use_bias_correction_kl` (the KL term times
 the ratio), the rollout's importance sampling ratio (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`;
-`[B, T]` or `[B, 1]`), the loss types `cispo`, `sapo` (with its temperatures) and `luspo` (its normalizer) and GSPO's
-sequence-level ratio (`importance_sampling_level="sequence"`, with each of them): the fast paths against TRL 1.16's
-formulas in float64, the deterministic path's two kernel sets bitwise against each other, and the same errors for bad
-values everywhere. (The harness runs them at every TP x DP layout against the goldens: scenarios
-`token_options_bf16`, `linear_token_options`, `cispo_bf16`, `sapo_csr`, `luspo_empty`, `gspo_bf16` and
-`linear_gspo_luspo`.)"""
+`[B, T]` or `[B, 1]`), the loss types `cispo`, `sapo` (with its temperatures) and `luspo` (its normalizer), GSPO's
+sequence-level ratio (`importance_sampling_level="sequence"`, with each of them) and the off-policy sequence mask
+(`off_policy_mask_threshold`, with `sampling_logps`): the fast paths against TRL 1.16's formulas in float64, the
+deterministic path's two kernel sets bitwise against each other, and the same errors for bad values everywhere. (The
+harness runs them at every TP x DP layout against the goldens: scenarios `token_options_bf16`, `linear_token_options`,
+`cispo_bf16`, `sapo_csr`, `luspo_empty`, `gspo_bf16`, `linear_gspo_luspo` and `off_policy_bf16`.)"""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ CASES = [(dict(delta=1.05), "token"), (dict(delta=1.3, use_bias_correction_kl=Tr
          (dict(importance_sampling_level="sequence", use_bias_correction_kl=True, delta=1.05), "token"),
          (dict(importance_sampling_level="sequence", loss_type="cispo", clip_eps_high=1.02), "sequence"),
          (dict(importance_sampling_level="sequence", loss_type="sapo", use_bias_correction_kl=True), "token"),
-         (dict(importance_sampling_level="sequence", loss_type="luspo"), None)]
+         (dict(importance_sampling_level="sequence", loss_type="luspo"), None),
+         (dict(off_policy_mask_threshold=-0.05), "token"),
+         (dict(off_policy_mask_threshold=-0.05, importance_sampling_level="sequence", use_bias_correction_kl=True),
+          None),
+         (dict(off_policy_mask_threshold=-0.05, loss_type="sapo"), "sequence")]
 IDS = [",".join(f"{k}={v}" for k, v in o.items()) + f",{w}" for o, w in CASES]
 
 
@@ -46,7 +50,7 @@ def importance_weights(kind: str | None) -> torch.Tensor | None:
 
 def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo", delta=None,
              use_bias_correction_kl=False, clip_eps_high=HI, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-             importance_sampling_level="token"):
+             importance_sampling_level="token", off_policy_mask_threshold=None, sampling=None):
     """TRL 1.16's `_compute_loss` in float64; cispo normalized as bnpo (one batch of one process)."""
     lp = torch.log_softmax(logits.double(), -1).gather(-1, INPUTS["action_ids"][..., None])[..., 0]
     m = mask.double()
@@ -69,6 +73,10 @@ def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo"
         if delta is not None:
             coef_1 = torch.clamp(coef_1, max=delta)
         per_token = -torch.min(coef_1 * a, coef_2 * a)
+    if off_policy_mask_threshold is not None:
+        kl_div = torch.nan_to_num((old if sampling is None else sampling).double() - lp.detach(), nan=0.0)
+        mean_kl = (kl_div * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+        per_token = per_token * ((a >= 0) | (mean_kl <= off_policy_mask_threshold)).double()
     if is_ratio is not None:
         per_token = per_token * is_ratio.double()
     per_token = per_token + beta * kl
@@ -123,9 +131,9 @@ def test_backends_match_trl(backend, options, weights):
     is_ratio = importance_weights(weights)
     want_loss, want_grad = oracle(options, is_ratio)
     kw = {"single_pass": True} if backend.endswith("single_pass") else {}
-    if kw and options.get("importance_sampling_level") == "sequence":
+    if kw and (options.get("importance_sampling_level") == "sequence" or "off_policy_mask_threshold" in options):
         with pytest.raises(LossContractError, match="single_pass / inplace: expected False with "
-                                                    "importance_sampling_level='sequence'"):
+                                                    "importance_sampling_level='sequence' or off_policy_mask"):
             run("triton", options, is_ratio, **kw)
         return
     loss, grad = run(backend.split("/")[0] if kw else backend, options, is_ratio, **kw)
@@ -167,8 +175,9 @@ def test_sequence_weights_are_token_weights_repeated():
                                      dict(loss_type="cispo", clip_eps_high=1.1),
                                      dict(importance_sampling_level="sequence", delta=1.05,
                                           use_bias_correction_kl=True),
-                                     dict(importance_sampling_level="sequence", loss_type="cispo", clip_eps_high=1.02)],
-                         ids=["delta_bias", "sapo", "cispo", "gspo", "gspo_cispo"])
+                                     dict(importance_sampling_level="sequence", loss_type="cispo", clip_eps_high=1.02),
+                                     dict(off_policy_mask_threshold=-0.05, use_bias_correction_kl=True)],
+                         ids=["delta_bias", "sapo", "cispo", "gspo", "gspo_cispo", "off_policy"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_linear_loss_matches_trl(kernels, options):
     """The fused linear loss: its hidden-state gradient against TRL's formula on `hidden @ weight.T`."""
@@ -190,10 +199,12 @@ def test_linear_loss_matches_trl(kernels, options):
 def _call(backend: str, is_ratio=None, **options):
     i = INPUTS
     if backend.startswith("distributed"):
+        sampling = options.pop("sampling_logps", None)
         c = contract(**options)
         return DistributedGRPOLossOp(backend.split("/")[1]).apply(
             i["policy_logits"], i["action_ids"], i["old_logps"], contract=c, completion_mask=i["completion_mask"],
-            advantages=ADV, ref_logps=REF_LOGPS, importance_sampling_ratio=is_ratio, check_values="sync").loss
+            advantages=ADV, ref_logps=REF_LOGPS, importance_sampling_ratio=is_ratio, sampling_logps=sampling,
+            check_values="sync").loss
     if backend == "linear":
         x = i["policy_logits"].float()
         return linear_grpo_loss(x, torch.eye(V, device=DEV), i["action_ids"], i["old_logps"], None,
@@ -266,6 +277,10 @@ def test_malformed_importance_weights_raise_everywhere(backend, is_ratio, match)
     (dict(loss_type="vespo"), "loss_type: expected one of"),
     (dict(importance_sampling_level="segment"), "importance_sampling_level: expected one of 'token', 'sequence', "
                                                 "got 'segment'"),
+    (dict(off_policy_mask_threshold=float("nan")), "off_policy_mask_threshold: expected None or a float that is "
+                                                   "finite in float32"),
+    (dict(off_policy_mask_threshold=1e39), "off_policy_mask_threshold: expected None or a float"),
+    (dict(off_policy_mask_threshold="0.1"), "off_policy_mask_threshold: expected None or a float"),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_options_raise_everywhere(backend, options, match):
@@ -283,8 +298,9 @@ def test_fingerprint_moves_only_with_the_options():
               contract(use_bias_correction_kl=True).fingerprint(), contract(loss_type="cispo").fingerprint(),
               contract(loss_type="sapo").fingerprint(),
               contract(loss_type="sapo", sapo_temperature_pos=2.0).fingerprint(),
-              contract(importance_sampling_level="sequence").fingerprint()}
-    assert len(prints) == 8
+              contract(importance_sampling_level="sequence").fingerprint(),
+              contract(off_policy_mask_threshold=0.1).fingerprint()}
+    assert len(prints) == 9
     assert contract(importance_sampling_level="token").fingerprint() == plain
     # cispo and sapo name a normalizer and a term: a normalizer given replaces theirs (TRL's dapo-like cispo)
     fixed = contract(loss_type="cispo", normalizer="fixed_constant", normalizer_constant=64.0)
@@ -344,3 +360,60 @@ def test_sequence_level_clip_fraction_counts_what_trl_counts(backend):
                                                                      advantages=adv, check_values="sync")
         assert 0 < want < 1
         assert res.clip_fraction.item() == pytest.approx(want.item(), abs=1e-7)
+
+
+def _sampling_logps() -> torch.Tensor:
+    """The sampler's log-probs: the old ones shifted per sequence (sequence 3, the negative advantage, by +0.2, so its
+    mean crosses a threshold of 0.1), one of its active tokens NaN (not scored: counts 0, as in TRL)."""
+    s = INPUTS["old_logps"] + torch.tensor([0.0, 0.0, 0.0, 0.2], device=DEV)[:, None]
+    s[3, INPUTS["completion_mask"][3].nonzero()[0, 0]] = float("nan")
+    return s
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton", "linear"])
+def test_off_policy_mask_reads_the_sampler_log_probs(backend):
+    """`sampling_logps` (TRL's `sampling_per_token_logps`) in place of the old log-probs for the off-policy mask: on
+    every backend the loss and gradient of TRL's formula; without the NaN's rule (NaN as 0.0), or with the old
+    log-probs, the mask would decide otherwise here."""
+    sampling, options = _sampling_logps(), dict(off_policy_mask_threshold=0.1)
+    x = INPUTS["policy_logits"].double().detach().requires_grad_(True)
+    want = trl_loss(x, REF_LOGPS, INPUTS["old_logps"], ADV, INPUTS["completion_mask"], None, 0.04, sampling=sampling,
+                    **options)
+    want.backward()
+    plain = trl_loss(x.detach(), REF_LOGPS, INPUTS["old_logps"], ADV, INPUTS["completion_mask"], None, 0.04, **options)
+    assert abs((plain - want).item()) > 1e-3  # the sampler's log-probs drop sequence 3; the old ones keep it
+    i = INPUTS
+    if backend == "linear":
+        hidden = i["policy_logits"].float().detach().requires_grad_(True)
+        loss = linear_grpo_loss(hidden, torch.eye(V, device=DEV), i["action_ids"], i["old_logps"], None,
+                                i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, clip_eps=LO,
+                                clip_eps_high=HI, sampling_logps=sampling, kernels="torch", **options).loss
+        loss.backward()
+        grad = hidden.grad
+    else:
+        xs = i["policy_logits"].detach().clone().requires_grad_(True)
+        if backend.startswith("distributed"):
+            loss = DistributedGRPOLossOp(backend.split("/")[1]).apply(
+                xs, i["action_ids"], i["old_logps"], contract=contract(**options), completion_mask=i["completion_mask"],
+                advantages=ADV, ref_logps=REF_LOGPS, sampling_logps=sampling, check_values="sync").loss
+        else:
+            extra = {"check_values": "sync"} if backend == "triton" else {}
+            loss = kernel_registry.get_op("grpo_loss", backend=backend)(
+                xs, None, i["action_ids"], i["old_logps"], None, i["completion_mask"], clip_eps=LO, clip_eps_high=HI,
+                beta=0.04, advantages=ADV, ref_logps=REF_LOGPS, sampling_logps=sampling, **options, **extra)[0]
+        loss.backward()
+        grad = xs.grad
+    assert_close_verbose(loss.detach(), want.detach(), atol=1e-6, rtol=1e-5, what=f"{backend} loss")
+    assert_close_verbose(grad, x.grad, atol=1e-7, rtol=1e-4, what=f"{backend} grad")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_sampler_log_probs_raise_everywhere(backend):
+    s = _sampling_logps()
+    b, t = INPUTS["completion_mask"].nonzero()[5].tolist()
+    s[b, t] = float("inf")
+    with pytest.raises(LossContractError, match=rf"sampling_logps: expected finite values \(or NaN: not scored\) at "
+                                                rf"active tokens, got \+-inf at \(b, t\) \[\({b}, {t}\)\]"):
+        _call(backend, off_policy_mask_threshold=0.1, sampling_logps=s)
+    with pytest.raises(LossContractError, match="sampling_logps: only read by the off-policy mask"):
+        _call(backend, sampling_logps=_sampling_logps())

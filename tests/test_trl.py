@@ -1,7 +1,7 @@
 """TRL's `GRPOTrainer` trained with TRL's own loss and with ours (`GRPOCoreTrainer`): the same logged numbers and
 the same parameters after every step, for loss_type grpo, bnpo, dr_grpo, dapo, cispo, sapo and luspo, with and
-without the KL term, and with TRL's `delta`, `use_bias_correction_kl`, SAPO temperatures and GSPO's
-`importance_sampling_level="sequence"`. vLLM's importance sampling ratio
+without the KL term, and with TRL's `delta`, `use_bias_correction_kl`, SAPO temperatures, GSPO's
+`importance_sampling_level="sequence"` and `off_policy_mask_threshold`. vLLM's importance sampling ratio
 cannot come from a run here (no vLLM): both trainers' `_compute_loss` take it on one batch made by the test.
 
 Everything is local and on the CPU: a tiny randomly initialized Llama built from a config, a character-level
@@ -188,9 +188,12 @@ def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
 # sequence ratios of the second pass over a generation cross it (a mean log-ratio varies less than a token's).
 DELTA = dict(delta=1.1, epsilon_high=0.05)
 SAPO_TEMPERATURES = dict(sapo_temperature_pos=2.0, sapo_temperature_neg=4.0)
+# The off-policy mask's threshold: 1e-3, not 0, which would sit on the rounding of the first pass over a generation
+# (TRL's log-probs and ours differ by ~1e-7 there, where an unchanged policy's mean log-ratio is 0).
 GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
 OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_kl"],  # each proof drops these
-           "sapo temperatures": list(SAPO_TEMPERATURES), "sequence level": ["importance_sampling_level"]}
+           "sapo temperatures": list(SAPO_TEMPERATURES), "sequence level": ["importance_sampling_level"],
+           "off-policy mask": ["off_policy_mask_threshold"]}
 
 
 @pytest.mark.parametrize("loss_type, beta, options", [
@@ -203,8 +206,11 @@ OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_k
     ("dapo", 0.04, dict(GSPO, use_bias_correction_kl=True)),
     ("sapo", 0.04, dict(importance_sampling_level="sequence")),
     ("cispo", 0.0, dict(importance_sampling_level="sequence", epsilon_high=1.02)),
+    ("dapo", 0.04, dict(off_policy_mask_threshold=1e-3)),
+    ("grpo", 0.0, dict(importance_sampling_level="sequence", off_policy_mask_threshold=1e-3)),
 ], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl", "sapo_temperatures", "gspo-grpo",
-        "gspo-luspo", "gspo-dapo-bias_correction_kl", "gspo-sapo", "gspo-cispo"])
+        "gspo-luspo", "gspo-dapo-bias_correction_kl", "gspo-sapo", "gspo-cispo", "off_policy_mask",
+        "gspo-grpo-off_policy_mask"])
 def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, options):
     theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
     ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)
@@ -319,9 +325,9 @@ def test_linear_loss_cispo_and_sapo_on_policy():
         assert math.isclose(loss.item(), expected, rel_tol=1e-5) and clip.item() == 0.0
 
 
-@pytest.mark.parametrize("option, value", [("top_entropy_quantile", 0.5), ("off_policy_mask_threshold", 0.5)])
+@pytest.mark.parametrize("option, value", [("top_entropy_quantile", 0.5), ("entropy_coef", 0.01)])
 def test_trainer_refuses_unsupported_options(tiny_model, tmp_path, option, value):
-    """`top_entropy_quantile` needs the token entropies; `off_policy_mask_threshold` an off-policy sequence mask."""
+    """`top_entropy_quantile` and `entropy_coef` need the token entropies."""
     args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
                           per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
                           **{option: value})

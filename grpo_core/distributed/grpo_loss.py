@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import canonical, pending
-from ..checks import check_derived_advantages, check_inputs, check_logprobs, check_loss, check_tensor, stand_in
+from ..checks import (check_derived_advantages, check_inputs, check_logprobs, check_loss, check_sampling_logps,
+                      check_tensor, stand_in)
 from ..contract import (AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LossContractError,
                         inverse_temperature)
 from ..result import GRPOLossResult, provenance
@@ -130,21 +131,23 @@ class DistributedGRPOLossOp:
               rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
               check_values: str = "deferred", advantages: torch.Tensor | None = None,
-              ref_logps: torch.Tensor | None = None, importance_sampling_ratio: torch.Tensor | None = None
-              ) -> GRPOLossResult:
+              ref_logps: torch.Tensor | None = None, importance_sampling_ratio: torch.Tensor | None = None,
+              sampling_logps: torch.Tensor | None = None) -> GRPOLossResult:
         """`check_values` (the Triton kernels; the torch ones check in the call): "deferred" checks the values
         without a device sync and raises at a later call (at the latest `pending.AHEAD` calls later) or at
         `grpo_core.raise_pending()`, "sync" in this call (`pending.py`). `ref_logps` `[n_local, padded_seq_len]`:
         the reference's log-probs of the action ids, given in place of `ref_local_logits` (the same on TP
         siblings); `importance_sampling_ratio` `[n_local, padded_seq_len]` or `[n_local, 1]`: the rollout's importance
-        weights, multiplied into each token's surrogate term (the same on TP siblings)."""
+        weights, multiplied into each token's surrogate term (the same on TP siblings); `sampling_logps`
+        `[n_local, padded_seq_len]`: the sampler's log-probs for `contract.off_policy_mask_threshold` (default
+        `old_logps`; the same on TP siblings)."""
         if check_values not in ("deferred", "sync"):
             raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
         pending.poll((tp_group, dp_group))  # this op's collective checks: every rank raises at the same call
         triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
                    "ref_logps": ref_logps, "importance_sampling_ratio": importance_sampling_ratio,
-                   "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
+                   "sampling_logps": sampling_logps, "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask}
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
@@ -160,11 +163,13 @@ class DistributedGRPOLossOp:
                     f" from the contract (sequences {seq_lo}:{seq_hi}, vocab {v_lo}:{v_hi}), got "
                     f"{list(policy_local_logits.shape)}")
             triton_runs = self._triton_runs(policy_local_logits, contract.vocab_tile)
+            check_sampling_logps(sampling_logps, contract.off_policy_mask_threshold)
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                                 beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
                                 rewards_required=True, values=not triton_runs, advantages=advantages,
                                 advantages_input=contract.advantages_input, ref_logps=ref_logps,
-                                importance_sampling_ratio=importance_sampling_ratio)  # Triton: flags, no sync
+                                importance_sampling_ratio=importance_sampling_ratio,
+                                sampling_logps=sampling_logps)  # Triton: flags, no sync
 
         def replicated() -> str:  # compared on the TP axis only
             if contract.sharding.tp_world_size == 1:
@@ -177,7 +182,8 @@ class DistributedGRPOLossOp:
                                      torch.where(active, old_logps, 0), rewards, given,
                                      None if ref_logps is None else torch.where(active, ref_logps, 0),
                                      None if importance_sampling_ratio is None else
-                                     torch.where(active, importance_sampling_ratio, 0))
+                                     torch.where(active, importance_sampling_ratio, 0),
+                                     None if sampling_logps is None else torch.where(active, sampling_logps, 0))
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
         k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
@@ -186,7 +192,8 @@ class DistributedGRPOLossOp:
                   canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate),
                   tp_group, dp_group, check_values, None if importance_sampling_ratio is None else
                   canonical.given_logprobs(importance_sampling_ratio, mask),
-                  contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE)
+                  contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE,
+                  None if sampling_logps is None else sampling_logps.detach().to(torch.float32))
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         rewards_local = rewards_all = None
         if contract.advantages_input is AdvantagesInput.REWARDS:
@@ -209,7 +216,7 @@ class DistributedGRPOLossOp:
         if contract.sequence_clip:
             clip_fraction = canonical.sequence_clip_fraction(ints[2])
         k.settle(c, (policy_local_logits, ref_local_logits, ref_logps, old_logps, rewards, advantages,
-                     importance_sampling_ratio), flag, ints[1],
+                     importance_sampling_ratio, sampling_logps), flag, ints[1],
                  loss, logp, logp_ref, None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
         if policy_local_logits.requires_grad and torch.is_grad_enabled():
             w = w[seq_lo:seq_hi]
@@ -243,9 +250,19 @@ class _Call:
     check_values: str
     is_ratio: torch.Tensor | None  # fp32 [n_local, T], 0.0 on masked tokens (`canonical.given_logprobs`)
     sequence: bool  # GSPO: every token reads its sequence's ratio (`canonical.sequence_coef` for the gradient)
+    sampling: torch.Tensor | None  # fp32 [n_local, T]: the off-policy mask's sampler log-probs (None: `old`)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
+
+    def weights(self, logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor | None:
+        """The importance weights the token terms read: `is_ratio`, with the off-policy mask folded in when the
+        contract sets its threshold (`canonical.off_policy_weights`, from this rank's whole sequences)."""
+        threshold = self.contract.off_policy_mask_threshold
+        if threshold is None:
+            return self.is_ratio
+        sampling = self.old if self.sampling is None else self.sampling
+        return canonical.off_policy_weights(logp, sampling, adv, self.mask, threshold, self.is_ratio)
 
 
 class _TorchKernels:
@@ -289,12 +306,13 @@ class _TorchKernels:
                                                sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, c.is_ratio, o.surrogate, logp,
+        w_is = c.weights(logp, adv)
+        policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
                                              o.sapo_temperatures)
         sums = torch.stack([self.token_sum(policy),
                             self.token_sum(kl_tok), local_ratio])
         ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
-        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t)
+        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t, w_is)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -320,10 +338,10 @@ class _TorchKernels:
 
     @staticmethod
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
-        rows, ids, lse, ratio, adv, lo_t, hi_t = state
+        rows, ids, lse, ratio, adv, lo_t, hi_t, w_is = state
         o = c.contract
         coef = (canonical.sequence_coef if c.sequence else canonical.token_coef)(
-            ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
+            ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, w_is, o.use_bias_correction_kl,
             o.surrogate, o.sapo_temperatures)
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
@@ -371,10 +389,13 @@ class _TritonKernels:
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
             ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
+        w_is = c.weights(logp[0], canonical.used_advantages(adv, c.mask))
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
-                                           o.vocab_size, *c.clip, o.delta, c.is_ratio, o.use_bias_correction_kl,
+                                           o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, ratio)
-        return logp[0], logp_ref, sums, ints, (lse[0], adv, ratio)
+        if c.sampling is not None:  # a +-inf sampler log-prob at an active token: the sequence's bad-value flag
+            ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
+        return logp[0], logp_ref, sums, ints, (lse[0], adv, ratio, w_is)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -392,16 +413,16 @@ class _TritonKernels:
         world's groups are the key of its deferred checks)."""
         s, contract = c.contract.sharding, c.contract
         seq_lo, seq_hi = s.sequence_bounds
-        policy, ref, ref_logps, old_logps, rewards, advantages, is_ratio = inputs
-        kept = [None if t is None else t.detach()
-                for t in (c.action_ids, old_logps, rewards, c.completion_mask, advantages, ref_logps, is_ratio)]
+        policy, ref, ref_logps, old_logps, rewards, advantages, is_ratio, sampling = inputs
+        kept = [None if t is None else t.detach() for t in (c.action_ids, old_logps, rewards, c.completion_mask,
+                                                            advantages, ref_logps, is_ratio, sampling)]
         logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy, ref)]  # not kept alive
 
         def recheck() -> None:
             mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=contract.beta,
                                 vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo, rewards_required=True,
                                 advantages=kept[4], advantages_input=contract.advantages_input, ref_logps=kept[5],
-                                importance_sampling_ratio=kept[6])
+                                importance_sampling_ratio=kept[6], sampling_logps=kept[7])
             check_logprobs(logp, logp_ref, mask)
             if derived is not None:
                 check_derived_advantages(*derived)
@@ -411,7 +432,7 @@ class _TritonKernels:
                 return
             seqs = flags.nonzero().flatten()[:8].tolist()
             raise LossContractError(f"sequences {seqs} hold a bad input value (an id, mask value, reward, advantage, "
-                                    f"old or reference log-prob, importance sampling ratio, or a non-finite "
+                                    f"old, reference or sampling log-prob, importance sampling ratio, or a non-finite "
                                     f"log-prob) on another rank, which names it")
 
         if c.check_values == "sync":
@@ -423,15 +444,15 @@ class _TritonKernels:
     @staticmethod
     def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
         from ..triton import canonical as kernels
-        lse, adv, ratio = state
+        lse, adv, ratio, w_is = state
         o = c.contract
         coef = None
         if ratio is not None:
             lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
             coef = canonical.sequence_coef(ratio, logp, logp_ref, canonical.used_advantages(adv, c.mask), w, c.mask,
-                                           lo_t, hi_t, o.beta, o.delta, c.is_ratio, o.use_bias_correction_kl,
+                                           lo_t, hi_t, o.beta, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, kernels.exp_of, kernels.sigmoid_of)
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
-                            o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=c.is_ratio,
+                            o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=w_is,
                             bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=o.sapo_temperatures,
                             coef=coef)

@@ -35,12 +35,13 @@ temperatures, from its config, the ratio exactly when TRL applies it (`use_vllm`
 `vllm_importance_sampling_correction`).
 
 `importance_sampling_level='sequence'` (GSPO: every token reads its sequence's ratio) reaches the loss too; the clip
-ratio it logs is then TRL's mean over the sequences.
+ratio it logs is then TRL's mean over the sequences. So does `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy
+sequence mask, with TRL's `inputs["sampling_per_token_logps"]` when vLLM gives them, else the old log-probs).
 
 Not supported, refused with a `ValueError` naming the argument: loss type vespo (its per-token term is not computed);
 `delta` with cispo or sapo (TRL ignores it there: leave it None). The trainer also refuses what needs the token
-entropies or a loss term of its own (`top_entropy_quantile`, `entropy_coef`, `use_adaptive_entropy`,
-`off_policy_mask_threshold`, a MoE router loss), logits that the model soft-caps or scales, and vision inputs.
+entropies or a loss term of its own (`top_entropy_quantile`, `entropy_coef`, `use_adaptive_entropy`, a MoE router
+loss), logits that the model soft-caps or scales, and vision inputs.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class GRPOLinearLoss(torch.nn.Module):
                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
                  max_completion_length: int | None = None, importance_sampling_level: str = "token",
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
-                 delta: float | None = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
+                 delta: float | None = None, use_bias_correction_kl: bool = False,
+                 off_policy_mask_threshold: float | None = None, vespo_k_pos: float = 2.0,
                  vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
         super().__init__()
         if loss_type not in LOSS_TYPES:
@@ -89,20 +91,22 @@ class GRPOLinearLoss(torch.nn.Module):
         self.delta, self.use_bias_correction_kl = delta, use_bias_correction_kl
         self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
         self.importance_sampling_level = importance_sampling_level
+        self.off_policy_mask_threshold = off_policy_mask_threshold
 
     def forward(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
                 attention_mask: torch.Tensor, advantages: torch.Tensor, bias: torch.Tensor | None = None,
                 ref_per_token_logps: torch.Tensor | None = None, old_per_token_logps: torch.Tensor | None = None,
                 ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                 ref_bias: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None,
-                num_items_in_batch: torch.Tensor | float | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                num_items_in_batch: torch.Tensor | float | None = None,
+                sampling_per_token_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """`_input [B, T, H]`, `lin_weight [V, H]`, `selected_token_ids`, `attention_mask [B, T]`, `advantages [B]`.
         `num_items_in_batch` (dapo and cispo): the active tokens of the whole generation batch, over all processes;
         the loss is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this
         batch, summed over the processes, over the world size). `vllm_is_ratio` `[B, T]` or `[B, 1]`: vLLM's
         importance sampling ratio, multiplied into each token's policy term (not into the KL term); `[B]`, one per
-        sequence, is taken as `[B, 1]`, as Liger does."""
+        sequence, is taken as `[B, 1]`, as Liger does. `sampling_per_token_logps` (TRL's, vLLM's log-probs; default the
+        old ones): read by the off-policy mask (`off_policy_mask_threshold`, TRL's; not Liger's)."""
         if isinstance(vllm_is_ratio, torch.Tensor) and vllm_is_ratio.dim() == 1:
             vllm_is_ratio = vllm_is_ratio.unsqueeze(-1)
         use_ref = self.use_ref_model and self.beta != 0.0
@@ -118,7 +122,10 @@ class GRPOLinearLoss(torch.nn.Module):
             ref_bias=ref_bias if use_ref else None, clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high,
             beta=self.beta if use_ref else 0.0, temperature=self.temperature, delta=self.delta,
             use_bias_correction_kl=self.use_bias_correction_kl, importance_sampling_ratio=vllm_is_ratio,
-            importance_sampling_level=self.importance_sampling_level, **self._sapo_temperatures(),
+            importance_sampling_level=self.importance_sampling_level,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            sampling_logps=None if self.off_policy_mask_threshold is None else sampling_per_token_logps,
+            **self._sapo_temperatures(),
             **self._normalizer(attention_mask, num_items_in_batch))
         metrics = (result.clip_fraction,)
         if self.beta != 0.0:
@@ -180,11 +187,10 @@ def _grpo_core_trainer() -> type:
             a = self.args
             for name, value, default in [("top_entropy_quantile", a.top_entropy_quantile, 1.0),
                                          ("entropy_coef", a.entropy_coef, 0.0),
-                                         ("use_adaptive_entropy", a.use_adaptive_entropy, False),
-                                         ("off_policy_mask_threshold", a.off_policy_mask_threshold, None)]:
+                                         ("use_adaptive_entropy", a.use_adaptive_entropy, False)]:
                 if value != default:
                     raise ValueError(f"{name}: expected {default!r} with GRPOCoreTrainer, got {value!r} (grpo-core's "
-                                     f"loss computes neither the token entropies nor an off-policy mask)")
+                                     f"loss does not compute the token entropies)")
             if self.aux_loss_enabled:
                 raise ValueError(f"router_aux_loss_coef: expected 0.0 with GRPOCoreTrainer for a MoE model, got "
                                  f"{self.router_aux_loss_coef!r} (the loss has no router term)")
@@ -200,6 +206,7 @@ def _grpo_core_trainer() -> type:
                 max_completion_length=self.max_completion_length,
                 importance_sampling_level=self.importance_sampling_level, temperature=self.temperature,
                 delta=a.delta, use_bias_correction_kl=a.use_bias_correction_kl,
+                off_policy_mask_threshold=a.off_policy_mask_threshold,
                 sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg)
             self.grpo_core_redirection = _ForwardRedirection()
 
@@ -250,7 +257,8 @@ def _grpo_core_trainer() -> type:
             return self.grpo_core_loss(hidden, weight, completion_ids, mask, inputs["advantages"],
                                        bias=bias, ref_per_token_logps=inputs.get("ref_per_token_logps"),
                                        old_per_token_logps=inputs.get("old_per_token_logps"),
-                                       vllm_is_ratio=is_ratio, num_items_in_batch=num_items)
+                                       vllm_is_ratio=is_ratio, num_items_in_batch=num_items,
+                                       sampling_per_token_logps=inputs.get("sampling_per_token_logps"))
 
     GRPOCoreTrainer.__module__, GRPOCoreTrainer.__qualname__ = __name__, "GRPOCoreTrainer"
     return GRPOCoreTrainer

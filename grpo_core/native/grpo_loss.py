@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from .. import canonical
-from ..checks import (LossOptions, check_derived_advantages, check_inputs, check_logprobs, check_loss, check_tensor,
-                      loss_options)
+from ..checks import (LossOptions, check_derived_advantages, check_inputs, check_logprobs, check_loss,
+                      check_sampling_logps, check_tensor, loss_options)
 from ..contract import (AdvantageStd, AdvantagesInput, DeterminismScope, GRPOLossContract, LossContractError,
                         TokenNormalizer, inverse_temperature)
 from ..result import GRPOLossResult, provenance
@@ -43,7 +43,8 @@ class NativeGRPOLossOp:
                  max_completion_length: int | None = None, ref_logps: torch.Tensor | None = None,
                  delta: float | None = None, use_bias_correction_kl: bool = False,
                  importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
-                 sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token"
+                 sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token",
+                 off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
         'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
@@ -53,7 +54,10 @@ class NativeGRPOLossOp:
         the rollout engine's importance weights (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`),
         multiplied into each token's surrogate term. `loss_type` 'cispo' and 'sapo' (with its temperatures)
         change the per-token term (`contract.Surrogate`). `importance_sampling_level="sequence"` (GSPO): every token
-        reads its sequence's ratio, the exp of its mean log-ratio (`canonical.sequence_log_ratio`)."""
+        reads its sequence's ratio, the exp of its mean log-ratio (`canonical.sequence_log_ratio`).
+        `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy sequence mask, TRL's): a sequence's policy terms are
+        dropped where its advantage is negative and its mean of `sampling_logps - logp` (default `old_logps`) exceeds
+        the threshold (`canonical.off_policy_weights`)."""
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
@@ -61,9 +65,10 @@ class NativeGRPOLossOp:
                          use_bias_correction_kl=use_bias_correction_kl,
                          importance_sampling_ratio=importance_sampling_ratio,
                          sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                         importance_sampling_level=importance_sampling_level)
+                         importance_sampling_level=importance_sampling_level,
+                         off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps)
         return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {},
-                               importance_sampling_ratio))
+                               importance_sampling_ratio, sampling_logps))
 
     def supports(self, contract: GRPOLossContract) -> list[str]:
         """Reasons this op cannot serve `contract` (empty when it can)."""
@@ -81,7 +86,8 @@ class NativeGRPOLossOp:
               rewards: torch.Tensor | None = None, *, contract: GRPOLossContract, completion_mask: torch.Tensor,
               ref_local_logits: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
               advantages: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-              importance_sampling_ratio: torch.Tensor | None = None) -> GRPOLossResult:
+              importance_sampling_ratio: torch.Tensor | None = None, sampling_logps: torch.Tensor | None = None
+              ) -> GRPOLossResult:
         """`rewards` or `advantages`: the one `contract.advantages_input` declares."""
         reasons = self.supports(contract)
         if reasons:
@@ -92,15 +98,17 @@ class NativeGRPOLossOp:
         if tuple(policy_local_logits.shape) != expected:
             raise LossContractError(f"policy_local_logits: expected [num_sequences, padded_seq_len, vocab_size] = "
                                     f"{list(expected)} from the contract, got {list(policy_local_logits.shape)}")
+        check_sampling_logps(sampling_logps, contract.off_policy_mask_threshold)
         mask = check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                             beta=contract.beta, rewards_required=True, advantages=advantages, advantages_input=kind,
-                            ref_logps=ref_logps, importance_sampling_ratio=importance_sampling_ratio)
+                            ref_logps=ref_logps, importance_sampling_ratio=importance_sampling_ratio,
+                            sampling_logps=sampling_logps)
         return self._run(policy_local_logits, ref_local_logits, ref_logps, action_ids, old_logps, rewards, advantages,
                          LossOptions.of(contract, mask), {"fingerprint": contract.fingerprint()},
-                         importance_sampling_ratio)
+                         importance_sampling_ratio, sampling_logps)
 
     def _run(self, policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o: LossOptions,
-             extra, is_ratio=None) -> GRPOLossResult:
+             extra, is_ratio=None, sampling_logps=None) -> GRPOLossResult:
         mask, old_logps = o.mask, old_logps.detach()  # the gradient flows into policy_logits only
         if o.advantages_input is AdvantagesInput.REWARDS:
             advantages = adv = canonical.group_advantages(rewards.detach(), o.groups, o.std)
@@ -120,6 +128,9 @@ class NativeGRPOLossOp:
                                                sequence=o.sequence_level)
         lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
         is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
+        if o.off_policy is not None:
+            is_ratio = canonical.off_policy_weights(logp, old_logps if sampling_logps is None else sampling_logps, adv,
+                                                    mask, o.off_policy, is_ratio)
         policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
                                                  o.taus, sigmoid=torch.sigmoid)
         per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),

@@ -242,7 +242,7 @@ _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, lo, hi, beta, inv,
              single_pass, means, denom, constant, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
-             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None, sequence=False):
+             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None, sequence=False, off_policy=None, sampling=None):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
     loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
     advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. `ref_logps` (fp32 `[B * T]`, in place of
@@ -251,7 +251,9 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
     (`lo`, `hi`: `canonical.bounds`). Two-pass mode launches the row kernel
     first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
     gradient (default: a new tensor). `sequence` (GSPO, two-pass only): the sequence kernel reads each token's ratio
-    from `sequence_ratio`, returned in the place of `grad`."""
+    from `sequence_ratio`, returned in the place of `grad`. `off_policy` (the off-policy mask's threshold, two-pass
+    only; `sampling`: the sampler's fp32 `[B * T]` log-probs, default `old`): the advantages first, then the mask
+    folded into the importance weights (`canonical.off_policy_weights`), which are returned last."""
     B, T, V = policy.shape
     dev = policy.device
     ids, mask = flat(ids), flat(mask)
@@ -280,13 +282,19 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
                                      DENOM=denom, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
 
-    if single_pass:  # the gradient coefficient needs the advantages and the weights first
+    if single_pass or off_policy is not None:  # the gradient coefficient or the mask needs the advantages first
         sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read
     out = rows_kernel()
     if sequence:
         grad = sequence_ratio(out[0], old, mask, B)
+    if off_policy is not None:
+        on, sampling = (mask != 0).view(B, T), (old if sampling is None else sampling).view(B, T)
+        is_ratio = canonical.off_policy_weights(out[0].view(B, T), sampling, adv, on, off_policy,
+                                                None if is_ratio is None else is_ratio.view(B, T)).view(-1)
     sequences(out, True, grad if sequence else None)
-    return out, adv, weight, scalars, flags, grad
+    if off_policy is not None:  # a +-inf sampling log-prob at an active token: flagged like the other inputs
+        flags[0] = torch.maximum(flags[0], (on & torch.isinf(sampling)).any().to(torch.int32))
+    return out, adv, weight, scalars, flags, grad, is_ratio
 
 
 def sequence_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, B: int) -> torch.Tensor:
@@ -309,7 +317,7 @@ def grpo_forward(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tens
     `d loss / d policy` (else an empty tensor)."""
     return _forward(wrap_triton, policy, ref, ids, mask, old, source, bounds, group_of, std, lo, hi,
                     beta, inv, single_pass, means, denom, constant, ref_logps, delta, is_ratio, bias_kl, surrogate,
-                    tau_pos, tau_neg)
+                    tau_pos, tau_neg)[:6]
 
 
 @triton_op("grpo_core::grpo_backward", mutates_args={})
@@ -384,7 +392,9 @@ class TritonGRPOLossOp:
     `importance_sampling_level="sequence"` (GSPO): each token's terms read its sequence's ratio, so no token's
     gradient is known before the whole sequence is read: two-pass only (`single_pass` / `inplace` are refused). The
     sequence kernel reads the ratios (`sequence_ratio`, torch ops on `[B, T]` between the kernels), and the backward
-    computes each token's coefficient (`canonical.sequence_coef` on `[B, T]`) before its second pass. Eager only.
+    computes each token's coefficient (`canonical.sequence_coef` on `[B, T]`) before its second pass. The off-policy
+    mask (`off_policy_mask_threshold`) likewise: the advantages first, then the mask from the log-probs, folded into
+    the importance weights the sequence kernel and the backward read (`canonical.off_policy_weights`). Eager only.
 
     `check_values`: a bad id, mask value, reward, given advantage or old log-prob, or a non-finite log-prob,
     raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
@@ -409,7 +419,8 @@ class TritonGRPOLossOp:
                  check_values: str = "deferred", ref_logps: torch.Tensor | None = None, delta: float | None = None,
                  use_bias_correction_kl: bool = False, importance_sampling_ratio: torch.Tensor | None = None,
                  sapo_temperature_pos: float | None = None, sapo_temperature_neg: float | None = None,
-                 importance_sampling_level: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 importance_sampling_level: str = "token", off_policy_mask_threshold: float | None = None,
+                 sampling_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
@@ -419,11 +430,13 @@ class TritonGRPOLossOp:
                          delta=delta, use_bias_correction_kl=use_bias_correction_kl,
                          importance_sampling_ratio=importance_sampling_ratio,
                          sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                         importance_sampling_level=importance_sampling_level)
-        if o.sequence_level and (single_pass or inplace):
+                         importance_sampling_level=importance_sampling_level,
+                         off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps)
+        whole_sequence = o.sequence_level or o.off_policy is not None  # eager, two-pass
+        if whole_sequence and (single_pass or inplace):
             raise LossContractError("single_pass / inplace: expected False with importance_sampling_level='sequence' "
-                                    "(each token's gradient needs its sequence's ratio, known only once every token "
-                                    "of the sequence has been read)")
+                                    "or off_policy_mask_threshold (each token's gradient needs its sequence's ratio "
+                                    "or mask, known only once every token of the sequence has been read)")
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
@@ -447,16 +460,18 @@ class TritonGRPOLossOp:
         args = (ref_logits, action_ids, completion_mask, old, source, *groups, *clip, inv, single,
                 *finish_options(o.normalizer, o.constant, B), given_ref, delta, is_ratio, o.bias_kl, *surrogate)
         if inplace:  # the kernel writes the gradient over the logits it has just read: eager only
-            out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, grad=x)
-        elif torch.compiler.is_compiling() and not o.sequence_level:
+            out, adv, weight, scalars, flags, grad, _ = _forward(lambda k: k, x, *args, grad=x)
+        elif torch.compiler.is_compiling() and not whole_sequence:
             out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
-        else:  # GSPO: `grad` holds the tokens' sequence ratios
-            out, adv, weight, scalars, flags, grad = _forward(lambda k: k, x, *args, sequence=o.sequence_level)
+        else:  # GSPO: `grad` holds the tokens' sequence ratios; the off-policy mask: in the importance weights
+            out, adv, weight, scalars, flags, grad, is_ratio = _forward(
+                lambda k: k, x, *args, sequence=o.sequence_level, off_policy=o.off_policy,
+                sampling=None if sampling_logps is None else flat(sampling_logps.detach().float()))
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
                            out[1].view(B, T) if has_ref else None, advantages,
                            None if advantages is not None else (o.groups, o.std), scalars[0], ref_logps,
-                           importance_sampling_ratio)
+                           importance_sampling_ratio, sampling_logps)
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,

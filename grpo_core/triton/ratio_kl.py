@@ -431,7 +431,7 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
                        old_logps, rewards, completion_mask, beta: float, logp: torch.Tensor,
                        logp_ref: torch.Tensor | None, advantages: torch.Tensor | None = None,
                        groups: tuple | None = None, loss: torch.Tensor | None = None, ref_logps=None,
-                       importance_sampling_ratio=None) -> None:
+                       importance_sampling_ratio=None, sampling_logps=None) -> None:
     """Turns the kernels' flag (`bad`, 0-d, nonzero when an id, mask value, reward, given advantage or old log-prob
     is bad, a log-prob is not finite, or, with `groups` = `(CSR bounds, advantage std)`, an advantage derived from
     the rewards is not finite, or the `loss` is not finite) into the native op's `LossContractError`, by `check_values`:
@@ -448,13 +448,13 @@ def check_values_after(bad: torch.Tensor, check_values: str, label: str, policy_
         return
     # What the precise check reads; the logits only lend their shape, dtype and device.
     kept = [None if t is None else t.detach() for t in (action_ids, old_logps, rewards, completion_mask, advantages,
-                                                        ref_logps, importance_sampling_ratio)]
+                                                        ref_logps, importance_sampling_ratio, sampling_logps)]
     logits = [None if t is None else (t.shape, t.dtype, t.device) for t in (policy_logits, ref_logits)]
 
     def recheck() -> None:
         mask = check_inputs(*(None if t is None else stand_in(*t) for t in logits), *kept[:4], beta=beta,
                             rewards_required=rewards is not None, advantages=kept[4], ref_logps=kept[5],
-                            importance_sampling_ratio=kept[6])
+                            importance_sampling_ratio=kept[6], sampling_logps=kept[7])
         check_logprobs(logp, logp_ref, mask)
         if groups is not None:
             r = kept[2].to(torch.float32)
