@@ -107,8 +107,8 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     positions may hold anything (padding ids, NaN). `importance_sampling_ratio` (optional): the rollout engine's
     importance weights, `[B, T]` or `[B, 1]` (one per sequence), finite and >= 0 where an active token reads them.
     `sampling_logps` (optional, `[B, T]`): the sampler's log-probs for the off-policy mask, not +-inf at active
-    tokens (NaN: a token the sampler did not score). `values=False` checks types, shapes, dtypes and devices only (no device sync): the caller then owes
-    `check_inputs(..., values=True)` when its kernels flag bad values.
+    tokens (NaN: a token the sampler did not score). `values=False` checks types, shapes, dtypes and devices only
+    (no device sync): the caller then owes `check_inputs(..., values=True)` when its kernels flag bad values.
     """
     for name, t, optional in (("policy_logits", policy_logits, False), ("ref_logits", ref_logits, True),
                               ("ref_logps", ref_logps, True),
@@ -332,7 +332,8 @@ class LossOptions:
         return cls(mask, contract.clip_eps, contract.clip_eps_high, contract.beta, contract.groups,
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
                    contract.advantages_input, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
-                   contract.sapo_temperatures, contract.importance_sampling_level, contract.off_policy_mask_threshold)
+                   contract.sapo_temperatures, contract.importance_sampling_level,
+                   contract.off_policy_mask_threshold)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,

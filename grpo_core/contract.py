@@ -10,8 +10,8 @@ options, are in `checks.py`.
 
 Options added for users of other GRPO implementations (`temperature`, given `advantages`, `loss_type`,
 `advantage_std="unbiased_eps"`, `delta`, `use_bias_correction_kl`, `importance_sampling_level`,
-`off_policy_mask_threshold`) enter the fingerprint only when they differ from their defaults, so that the fingerprint of a contract that does not use them, and every
-golden recorded with one, stays what it was.
+`off_policy_mask_threshold`) enter the fingerprint only when they differ from their defaults, so that the fingerprint
+of a contract that does not use them, and every golden recorded with one, stays what it was.
 Every backend computes all of them (the fast Triton op and the distributed op in their kernels).
 """
 

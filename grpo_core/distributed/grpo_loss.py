@@ -147,8 +147,8 @@ class DistributedGRPOLossOp:
         triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
                    "ref_logps": ref_logps, "importance_sampling_ratio": importance_sampling_ratio,
-                   "sampling_logps": sampling_logps, "action_ids": action_ids, "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
-                   "completion_mask": completion_mask}
+                   "sampling_logps": sampling_logps, "action_ids": action_ids, "old_logps": old_logps,
+                   "rewards": rewards, "advantages": advantages, "completion_mask": completion_mask}
 
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
             nonlocal triton_runs
