@@ -1,4 +1,5 @@
-"""Accuracy of the canonical exp, log, sqrt and sigmoid over every fp32 input of each range, against float64.
+"""Accuracy of the canonical exp, log, sqrt and sigmoid over every fp32 input of each range, against float64, and of
+VESPO's gamma weight (`canonical.vespo_phi`, their composition) over every fp32 log w (`--only phi` runs it alone).
 
 Subnormal inputs and results are outside the ranges: the canonical functions flush them to 0.
 
@@ -63,12 +64,39 @@ def scan(name: str, fn, ref, lo: float, hi: float, step: int) -> dict:
     return row
 
 
+def gamma(k: float, lam: float):
+    """`(canonical.vespo_phi of one token whose log-ratio is log w, its float64 value, the largest log w whose phi is a
+    normal float)` for `(k, lam)` at both advantage signs."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        return canonical.vespo_phi(x.view(n, 1), torch.zeros(n, 1), torch.zeros(n), torch.ones(n, 1, dtype=torch.bool),
+                                   None, (k, lam, k, lam)).view(-1)
+
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp((lam + k * x) - lam * torch.exp(x))
+
+    lo, hi = 0.0, canonical.VESPO_LOG_W[1]  # phi falls past its mode log(k / lam) < log w: bisect for 2**-126
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(ref(torch.tensor(mid, dtype=torch.float64))) >= canonical.TINY else (lo, mid)
+    return fn, ref, struct.unpack("<f", struct.pack("<f", lo))[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step", type=int, default=1, help="check every STEP-th bit pattern (1: every input)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", choices=["phi"], help="only VESPO's gamma weight")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.only == "phi":
+        # TRL's defaults (k, lambda) for A >= 0 and A < 0, over log w in [fp32(log 1e-8), the last normal phi]
+        for k, lam in ((2.0, 3.0), (3.0, 2.0)):
+            fn, ref, hi = gamma(k, lam)
+            scan(f"phi{k:g}/{lam:g}", fn, ref, canonical.VESPO_LOG_W[0], hi, a.step)
+            scan(f"trl{k:g}/{lam:g}", lambda x: torch.exp(lam + k * x - lam * torch.exp(x)), ref,  # TRL's fp32 torch
+                 canonical.VESPO_LOG_W[0], hi, a.step)
+        return
     big = struct.unpack("<f", struct.pack("<i", 0x7F7FFFFF))[0]
     # exp: every input whose result is a normal float; log and sqrt: every positive normal float.
     scan("exp", canonical.exp, torch.exp, -87.33654, 88.72283, a.step)

@@ -47,6 +47,9 @@ EXP_CHUNK = 1 << 18  # elements per step of `exp` on large inputs
 # log: x = 2**k m with m in [sqrt(1/2), sqrt(2)), log(m) = 2 atanh(s), s = (m - 1) / (m + 1), in fdlibm's form
 SQRT_HALF_BITS = 0x3F3504F3
 LOG_Q = (float.fromhex("0x1.55557ap-1"), float.fromhex("0x1.995e4cp-2"), float.fromhex("0x1.31ec84p-2"))
+# VESPO (TRL's `get_gamma_weights`): log w is clamped to [fp32(log(1e-8)), 20], each token's log-ratio to [-20, 20]
+VESPO_LOG_W = (float.fromhex("-0x1.26bb1cp+4"), 20.0)
+VESPO_LAMBDA_MIN = 1e-4  # TRL's floor of the gamma weight's rates
 
 
 def fp32(value: float, like: torch.Tensor) -> torch.Tensor:
@@ -318,6 +321,58 @@ def off_policy_weights(logp: torch.Tensor, sampling_logps: torch.Tensor, advanta
     return torch.where(keep, 1.0 if is_ratio is None else is_ratio, 0.0)
 
 
+def _clamped_log(x: torch.Tensor) -> torch.Tensor:
+    """`log(x)` of fp32 `x >= 0` clamped to `VESPO_LOG_W`: the lower bound below the smallest normal float, whose log
+    (< -87) the canonical `log` does not cover and the clamp would give anyway (0.0: TRL's log(0) = -inf)."""
+    lo, hi = VESPO_LOG_W
+    normal = x >= TINY
+    return torch.where(normal, log(torch.where(normal, x, 1.0)).clamp(lo, hi), lo)
+
+
+def vespo_phi(logp: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              is_ratio: torch.Tensor | None, gamma: tuple[float, float, float, float]) -> torch.Tensor:
+    """VESPO's gamma weight (TRL's `get_gamma_weights`), detached, fp32 `[S, 1]` (advantages per sequence) or `[S, T]`
+    (per token): each sequence's `log w = clamp(pair_sum(masked(clamp(logp - old, -20, 20) + clamp(log(is_ratio),
+    VESPO_LOG_W))), VESPO_LOG_W)` over its active tokens (the rollout's importance weights `is_ratio`, `given_logprobs`,
+    enter in log space; TRL sums the two terms apart), `w = exp(log w)`, and `phi = exp((lam + k * log w) - lam * w)`,
+    `(k, lam)` = `gamma`'s `(k_pos, max(lambda_pos, 1e-4))` where `A >= 0`, else `(k_neg, max(lambda_neg, 1e-4))`,
+    each rounded once to fp32. 0.0 where phi overflows (TRL's `nan_to_num`). The canonical exp and log: the same bits
+    on every backend."""
+    lo, hi = VESPO_LOG_W
+    log_r = torch.where(mask, (logp.detach() - old_logps.to(F32)).clamp(-20.0, 20.0), 0.0)
+    if is_ratio is not None:
+        log_r = log_r + torch.where(mask, _clamped_log(is_ratio), 0.0)
+    log_w = pair_sum(log_r).clamp(lo, hi).unsqueeze(-1)
+    w = exp(log_w)
+    k_pos, lam_pos, k_neg, lam_neg = gamma
+    nonneg = _per_token(advantages) >= 0
+    k = torch.where(nonneg, fp32(k_pos, w), fp32(k_neg, w))
+    lam = torch.where(nonneg, fp32(max(lam_pos, VESPO_LAMBDA_MIN), w), fp32(max(lam_neg, VESPO_LAMBDA_MIN), w))
+    phi = exp((lam + k * log_w) - lam * w)
+    return torch.where(phi <= FP32_MAX, phi, 0.0)
+
+
+def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       is_ratio: torch.Tensor | None, threshold: float | None = None,
+                       sampling_logps: torch.Tensor | None = None,
+                       gamma: tuple[float, float, float, float] | None = None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`(weights, phi)`: what each token's policy term is multiplied by, fp32 `[S, T]` (None: nothing), and VESPO's
+    gamma weight as reported (`[S]`, or `[S, T]` with advantages per token, 0.0 on masked tokens; None without
+    `gamma`). The weights are the rollout's importance weights `is_ratio` (`given_logprobs`); with `gamma` (vespo) its
+    `vespo_phi` in their place (they enter phi); with `threshold` the off-policy mask folded in (`off_policy_weights`,
+    from `sampling_logps`, default `old_logps`)."""
+    phi = None
+    if gamma is not None:
+        phi = vespo_phi(logp, old_logps, advantages, mask, is_ratio, gamma)
+        is_ratio = torch.where(mask, phi, 0.0)
+        phi = phi.squeeze(-1) if advantages.dim() == 1 else is_ratio
+    if threshold is not None:
+        is_ratio = off_policy_weights(logp, old_logps if sampling_logps is None else sampling_logps, advantages, mask,
+                                      threshold, is_ratio)
+    return is_ratio, phi
+
+
 def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,
                  exp=exp, bias_kl: bool = False, sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`ratio = exp(masked(logp - old))` (mask before exp: 1.0 on masked tokens) and `kl = exp(d) - d - 1`
@@ -350,11 +405,12 @@ def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: t
 
 def bounds(clip_eps: float, clip_eps_high: float, surrogate: Surrogate = Surrogate.CLIPPED) -> tuple[float, float]:
     """The ratio's bounds `(lo, hi)` in Python (double): `(1 - clip_eps, 1 + clip_eps_high)` for the clipped
-    surrogate; CISPO's `(0, clip_eps_high)` (its upper clamp, as TRL and Liger); SAPO clips nothing, `(0, inf)`.
+    surrogate; CISPO's `(0, clip_eps_high)` (its upper clamp, as TRL and Liger); SAPO and VESPO clip nothing,
+    `(0, inf)`.
     `clipped_tokens` counts the tokens beyond them (no ratio is below 0)."""
     if surrogate is Surrogate.CISPO:
         return 0.0, clip_eps_high
-    if surrogate is Surrogate.SAPO:
+    if surrogate in (Surrogate.SAPO, Surrogate.VESPO):
         return 0.0, float("inf")
     return 1.0 - clip_eps, 1.0 + clip_eps_high
 
@@ -390,10 +446,12 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     `[S, T]`. `delta` (TRL's two-sided clipping): `min(ratio, fp32(delta)) * A` in the first branch; `is_ratio`
     (fp32 `[S, T]`, `given_logprobs`): the rollout's importance weights, multiplied into the term. CISPO:
     `-((sg(min(ratio, hi)) * A) * logp)`; SAPO: `-(((sigmoid(tau * (ratio - 1)) * 4) / tau) * A)` with `tau` of
-    `taus` by the sign of `A`."""
+    `taus` by the sign of `A`; VESPO: `-(A * logp)`, its gamma weight in `is_ratio` (`importance_weights`)."""
     adv = _per_token(advantages)
     if surrogate is Surrogate.CISPO:
         policy = -((torch.minimum(ratio, hi).detach() * adv) * logp)
+    elif surrogate is Surrogate.VESPO:
+        policy = -(adv * logp)
     elif surrogate is Surrogate.SAPO:
         tau = _tau(adv, taus)
         policy = -(((sigmoid(tau * (ratio - 1.0)) * 4.0) / tau) * adv)
@@ -417,11 +475,14 @@ def token_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor |
     `1 - exp(d)`, `d = logp_ref - logp`, or with `bias_kl` (the KL times the ratio) `-(d * ratio)`, which is
     `((1 - exp(d)) + kl) * ratio` without its cancellation (that form loses every digit once `d` passes ~12).
     CISPO: `-(min(ratio, hi) * A)` (its weight is a constant); SAPO: `-((((s * (1 - s)) * 4) * ratio) * A)`,
-    `s = sigmoid(tau * (ratio - 1))`. 0.0 on masked tokens. `A`: `[S]` or `[S, T]`. The caller multiplies by
-    `grad_output`, then by `fp32(1 / temperature)` when it is not 1. (`exp`, `sigmoid`: the fast op passes torch's.)"""
+    `s = sigmoid(tau * (ratio - 1))`; VESPO: `-A` (times `is_ratio`, its gamma weight). 0.0 on masked tokens. `A`:
+    `[S]` or `[S, T]`. The caller multiplies by `grad_output`, then by `fp32(1 / temperature)` when it is not 1.
+    (`exp`, `sigmoid`: the fast op passes torch's.)"""
     adv = _per_token(advantages)
     if surrogate is Surrogate.CISPO:
         coef = -(torch.minimum(ratio, hi) * adv)
+    elif surrogate is Surrogate.VESPO:
+        coef = -adv
     elif surrogate is Surrogate.SAPO:
         s = sigmoid(_tau(adv, taus) * (ratio - 1.0))
         coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)
@@ -450,17 +511,17 @@ def sequence_coef(ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tenso
     """`token_coef` where every token reads its sequence's ratio `r = ratio` (GSPO, `ratio_and_kl(...,
     sequence=True)`). A token's log-prob moves `log r` by `1 / n` (`n`: the sequence's active tokens), so each
     token's coefficient is the sequence's chain term plus its own: `pair_sum(through) / fp32(max(n, 1)) + own`,
-    where `through` is `token_coef`'s surrogate term (`r * d policy / dr`, weighted; CISPO's ratio is detached:
-    none) and `own` is CISPO's term, plus `(beta * dkl) * weight` with the k3 KL's `dkl = 1 - exp(d)`; with `bias_kl`
-    (the KL times `r`) `dkl = (-d + (pair_sum(k3) / n - k3)) * r`, `k3 = (exp(d) - d) - 1`: the KL's own and chain
-    terms together, exact for a sequence of one token (`-d * r`, where the two apart cancel once `d` passes ~12).
-    0.0 on masked tokens."""
+    where `through` is `token_coef`'s surrogate term (`r * d policy / dr`, weighted; CISPO's and VESPO's terms do not
+    read the ratio: none) and `own` is theirs, plus `(beta * dkl) * weight` with the k3 KL's `dkl = 1 - exp(d)`;
+    with `bias_kl` (the KL times `r`) `dkl = (-d + (pair_sum(k3) / n - k3)) * r`, `k3 = (exp(d) - d) - 1`: the KL's
+    own and chain terms together, exact for a sequence of one token (`-d * r`, where the two apart cancel once `d`
+    passes ~12). 0.0 on masked tokens."""
     w = weights.unsqueeze(-1)
     n = _count(mask.sum(-1)).unsqueeze(-1)
     policy = token_coef(ratio, logp, None, advantages, weights, mask, lo, hi, 0.0, delta, is_ratio, False, surrogate,
                         taus, exp, sigmoid)
     zero = torch.zeros_like(policy)
-    through, own = (zero, policy) if surrogate is Surrogate.CISPO else (policy, zero)
+    through, own = (zero, policy) if surrogate in (Surrogate.CISPO, Surrogate.VESPO) else (policy, zero)
     if logp_ref is not None:
         d = torch.where(mask, logp_ref - logp, 0.0)
         e = exp(d)

@@ -15,7 +15,7 @@ import torch
 
 from .contract import (AdvantagesInput, AdvantageStd, GRPOLossContract, ImportanceSamplingLevel, LossContractError,
                        Surrogate, TokenNormalizer, check_groups, check_max_length_product, check_no_groups,
-                       check_options, normalizer_value, sequence_clip, surrogate_of)
+                       VESPO_GAMMA, check_options, normalizer_value, sequence_clip, surrogate_of)
 
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SHOWN = 8  # how many bad positions an error lists
@@ -290,11 +290,19 @@ def check_loss(loss: torch.Tensor) -> None:
                                 "rewards or advantages down")
 
 
-def check_sampling_logps(sampling_logps: Any, threshold: float | None) -> None:
-    """The sampler's log-probs are read by the off-policy mask only: given without it, they would be ignored."""
+def check_option_inputs(sampling_logps: Any, is_ratio: Any, threshold: float | None, surrogate: Surrogate,
+                        padded_seq_len: int) -> None:
+    """What only some options read: the sampler's log-probs, read by the off-policy mask only (given without it,
+    they would be ignored); and the importance sampling ratio, which vespo reads per token (it sums their logs over
+    the sequence; TRL's vespo takes no sequence-level ratio, and Liger's adds one log per sequence)."""
     if sampling_logps is not None and threshold is None:
         raise LossContractError("sampling_logps: only read by the off-policy mask, but off_policy_mask_threshold is "
                                 "None; leave it None or set the threshold")
+    if (surrogate is Surrogate.VESPO and isinstance(is_ratio, torch.Tensor) and is_ratio.dim() == 2
+            and is_ratio.shape[1] == 1 < padded_seq_len):
+        raise LossContractError(f"importance_sampling_ratio: expected one per token [B, T] with loss_type='vespo' (its "
+                                f"gamma weight sums their logs, as TRL's token_truncate / token_mask modes give "
+                                f"them), got {list(is_ratio.shape)}")
 
 
 @dataclass(frozen=True)
@@ -318,6 +326,7 @@ class LossOptions:
     taus: tuple[float, float] | None = None  # SAPO's temperatures (positive, negative advantages)
     level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN  # the token's own ratio, or its sequence's (GSPO)
     off_policy: float | None = None  # the off-policy mask's threshold (None: off)
+    gamma: tuple[float, float, float, float] | None = None  # vespo's (k_pos, lambda_pos, k_neg, lambda_neg)
 
     @property
     def sequence_level(self) -> bool:
@@ -333,7 +342,7 @@ class LossOptions:
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
                    contract.advantages_input, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
                    contract.sapo_temperatures, contract.importance_sampling_level,
-                   contract.off_policy_mask_threshold)
+                   contract.off_policy_mask_threshold, contract.vespo_gamma)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
@@ -343,16 +352,20 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                  use_bias_correction_kl: Any = False, importance_sampling_ratio: Any = None,
                  sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
                  importance_sampling_level: Any = "token", off_policy_mask_threshold: Any = None,
-                 sampling_logps: Any = None) -> LossOptions:
-    """Validates the keyword options and the tensors of the plain-call API (shared by every backend)."""
+                 sampling_logps: Any = None, **vespo: Any) -> LossOptions:
+    """Validates the keyword options and the tensors of the plain-call API (shared by every backend); `vespo`:
+    `contract.VESPO_GAMMA`'s names."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                       normalizer_constant=normalizer_constant, advantage_std=advantage_std, temperature=temperature,
                       loss_type=loss_type, max_completion_length=max_completion_length,
                       rewards_input=advantages is None, delta=delta, use_bias_correction_kl=use_bias_correction_kl,
                       sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                       importance_sampling_level=importance_sampling_level,
-                      off_policy_mask_threshold=off_policy_mask_threshold)
-    check_sampling_logps(sampling_logps, o["off_policy_mask_threshold"])
+                      off_policy_mask_threshold=off_policy_mask_threshold, **vespo)
+    surrogate = surrogate_of(loss_type)
+    if isinstance(policy_logits, torch.Tensor) and policy_logits.dim() == 3:
+        check_option_inputs(sampling_logps, importance_sampling_ratio, o["off_policy_mask_threshold"], surrogate,
+                            policy_logits.shape[1])
     mask = check_inputs(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, beta=o["beta"],
                         values=values, rewards_required=True, advantages=advantages, ref_logps=ref_logps,
                         importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps)
@@ -369,7 +382,8 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                        o["normalizer"], normalizer_value(o["normalizer"], o["normalizer_constant"],
                                                          o["max_completion_length"], T),
                        o["temperature"], advantages_kind(advantages), o["delta"], o["use_bias_correction_kl"],
-                       surrogate_of(loss_type),
+                       surrogate,
                        None if o["sapo_temperature_pos"] is None else (o["sapo_temperature_pos"],
                                                                        o["sapo_temperature_neg"]),
-                       o["importance_sampling_level"], o["off_policy_mask_threshold"])
+                       o["importance_sampling_level"], o["off_policy_mask_threshold"],
+                       None if o["vespo_k_pos"] is None else tuple(o[name] for name in VESPO_GAMMA))

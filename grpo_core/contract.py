@@ -67,6 +67,7 @@ class Surrogate(str, enum.Enum):
     CLIPPED = "clipped"  # -min(r A, clamp(r, 1 - clip_eps, 1 + clip_eps_high) A): grpo, bnpo, dr_grpo, dapo
     CISPO = "cispo"  # -sg(min(r, clip_eps_high)) A logp: the ratio clamped at clip_eps_high itself, as TRL and Liger
     SAPO = "sapo"  # -sigmoid(tau (r - 1)) (4 / tau) A, tau = sapo_temperature_pos if A > 0 else sapo_temperature_neg
+    VESPO = "vespo"  # -phi A logp, phi: the detached gamma weight of the sequence's summed log-ratio (vespo_phi)
 
 
 class ImportanceSamplingLevel(str, enum.Enum):
@@ -77,13 +78,14 @@ class ImportanceSamplingLevel(str, enum.Enum):
 
 
 # TRL's and Liger's `loss_type` names: the token normalizer, and the per-token term where it is not the clipped
-# surrogate. (TRL's `vespo` is not computed; its `luspo` is the clipped surrogate under the luspo normalizer, with
-# the ratio of `importance_sampling_level`.)
+# surrogate. (TRL's `luspo` is the clipped surrogate under the luspo normalizer, with the ratio of
+# `importance_sampling_level`.)
 LOSS_TYPES = {"grpo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN, "bnpo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
               "dr_grpo": TokenNormalizer.SEQUENCES_TIMES_MAX_LENGTH, "dapo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS,
               "cispo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS, "sapo": TokenNormalizer.PER_SEQUENCE_THEN_BATCH_MEAN,
-              "luspo": TokenNormalizer.SEQUENCE_SUMS_THEN_BATCH_MEAN}
+              "luspo": TokenNormalizer.SEQUENCE_SUMS_THEN_BATCH_MEAN, "vespo": TokenNormalizer.GLOBAL_ACTIVE_TOKENS}
 SAPO_TEMPERATURES = (1.0, 1.05)  # TRL's and Liger's defaults (positive, negative advantages)
+VESPO_GAMMA = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL's
 
 
 def sequence_clip(level: ImportanceSamplingLevel, kind: AdvantagesInput) -> bool:
@@ -93,7 +95,8 @@ def sequence_clip(level: ImportanceSamplingLevel, kind: AdvantagesInput) -> bool
 
 
 def surrogate_of(loss_type: str | None) -> Surrogate:
-    return Surrogate.CISPO if loss_type == "cispo" else Surrogate.SAPO if loss_type == "sapo" else Surrogate.CLIPPED
+    member = Surrogate._value2member_map_.get(loss_type)
+    return Surrogate.CLIPPED if member is None else member
 
 
 class AdvantageStd(str, enum.Enum):
@@ -143,8 +146,9 @@ def check_float(name: str, value: Any, *, minimum: float, maximum: float = math.
         raise LossContractError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value) or value < minimum or value > maximum or (open_max and value == maximum):
+        lower = "" if minimum == -math.inf else f" >= {minimum}"
         upper = "" if maximum == math.inf else f" and < {maximum}" if open_max else f" and <= {maximum}"
-        raise LossContractError(f"{name}: expected a finite float >= {minimum}{upper}, got {value!r}")
+        raise LossContractError(f"{name}: expected a finite float{lower}{upper}, got {value!r}")
     return value
 
 
@@ -356,6 +360,10 @@ class GRPOLossContract:
     use_bias_correction_kl: bool = False  # TRL's: each token's k3 KL term is multiplied by its ratio
     sapo_temperature_pos: float | None = None  # loss_type 'sapo' only (None: 1.0)
     sapo_temperature_neg: float | None = None  # loss_type 'sapo' only (None: 1.05)
+    vespo_k_pos: float | None = None  # loss_type 'vespo' only (None: 2.0); the gamma weight's shape where A >= 0
+    vespo_lambda_pos: float | None = None  # loss_type 'vespo' only (None: 3.0); its rate where A >= 0
+    vespo_k_neg: float | None = None  # loss_type 'vespo' only (None: 3.0); the shape where A < 0
+    vespo_lambda_neg: float | None = None  # loss_type 'vespo' only (None: 2.0); the rate where A < 0
     importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask (None: off)
     sharding: ShardingSpec | None = None  # None: a single process
@@ -377,6 +385,7 @@ class GRPOLossContract:
                                 use_bias_correction_kl=self.use_bias_correction_kl,
                                 sapo_temperature_pos=self.sapo_temperature_pos,
                                 sapo_temperature_neg=self.sapo_temperature_neg,
+                                **{name: getattr(self, name) for name in VESPO_GAMMA},
                                 importance_sampling_level=self.importance_sampling_level,
                                 off_policy_mask_threshold=self.off_policy_mask_threshold)
         for name, value in options.items():
@@ -439,7 +448,7 @@ class GRPOLossContract:
 
     @property
     def surrogate(self) -> Surrogate:
-        """The per-token policy term `loss_type` names (the clipped surrogate unless 'cispo' or 'sapo')."""
+        """The per-token policy term `loss_type` names (the clipped surrogate unless 'cispo', 'sapo' or 'vespo')."""
         return surrogate_of(self.loss_type)
 
     @property
@@ -450,6 +459,11 @@ class GRPOLossContract:
     def sapo_temperatures(self) -> tuple[float, float] | None:
         """`(sapo_temperature_pos, sapo_temperature_neg)` with loss_type 'sapo' (defaults filled in), else None."""
         return None if self.sapo_temperature_pos is None else (self.sapo_temperature_pos, self.sapo_temperature_neg)
+
+    @property
+    def vespo_gamma(self) -> tuple[float, float, float, float] | None:
+        """`(vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)` with loss_type 'vespo', else None."""
+        return None if self.vespo_k_pos is None else tuple(getattr(self, name) for name in VESPO_GAMMA)
 
     @property
     def normalizer_value(self) -> float | None:
@@ -482,6 +496,8 @@ class GRPOLossContract:
             extra["off_policy_mask_threshold"] = self.off_policy_mask_threshold.hex()
         if self.surrogate is Surrogate.SAPO:
             extra["sapo_temperatures"] = [self.sapo_temperature_pos.hex(), self.sapo_temperature_neg.hex()]
+        if self.surrogate is Surrogate.VESPO:
+            extra["vespo_gamma"] = [value.hex() for value in self.vespo_gamma]
         return {**extra,
             "math_version": MATH_VERSION,
             "num_sequences": self.num_sequences,
@@ -558,17 +574,16 @@ def check_no_groups(samples_per_prompt: Any, group_boundaries: Any) -> None:
 
 def resolve_normalizer(loss_type: Any, normalizer: Any) -> TokenNormalizer:
     """The token normalizer named by `normalizer` or by TRL's / Liger's `loss_type` (two spellings of one choice:
-    give one, or both when they agree); neither: global_active_tokens. 'cispo' and 'sapo' also name a per-token term:
-    with them a `normalizer` given replaces the one they name (TRL divides cispo by the generation batch's tokens,
-    `normalizer='fixed_constant'` across micro-batches)."""
+    give one, or both when they agree); neither: global_active_tokens. 'cispo', 'sapo' and 'vespo' also name a
+    per-token term: with them a `normalizer` given replaces the one they name (TRL divides cispo and vespo by the
+    generation batch's tokens, `normalizer='fixed_constant'` across micro-batches)."""
     if loss_type is None:
         if normalizer is None:
             return TokenNormalizer.GLOBAL_ACTIVE_TOKENS
         return check_enum(TokenNormalizer, "normalizer", normalizer)
     if not isinstance(loss_type, str) or loss_type not in LOSS_TYPES:
         allowed = ", ".join(repr(name) for name in LOSS_TYPES)
-        raise LossContractError(f"loss_type: expected one of {allowed}, got {loss_type!r} (TRL's 'vespo' is not "
-                                f"computed)")
+        raise LossContractError(f"loss_type: expected one of {allowed}, got {loss_type!r}")
     named = LOSS_TYPES[loss_type]
     if normalizer is not None and surrogate_of(loss_type) is not Surrogate.CLIPPED:
         return check_enum(TokenNormalizer, "normalizer", normalizer)
@@ -647,12 +662,13 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
                   rewards_input: bool = True, delta: Any = None, use_bias_correction_kl: Any = False,
                   sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
                   importance_sampling_level: Any = ImportanceSamplingLevel.TOKEN,
-                  off_policy_mask_threshold: Any = None) -> dict[str, Any]:
+                  off_policy_mask_threshold: Any = None, **vespo: Any) -> dict[str, Any]:
     """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
     name (`clip_eps_high=None` becomes `clip_eps`; `normalizer` is resolved with `loss_type`; `advantage_std`
     None becomes population when the op takes rewards, `rewards_input`; `delta` None: no upper clamp). Every float
     must be finite once rounded to float32, the precision every backend computes in; the normalizer constant and
-    `delta` must be normal float32 values."""
+    `delta` must be normal float32 values. `vespo`: `VESPO_GAMMA`'s names (loss_type 'vespo' only; None: TRL's
+    defaults): finite floats, the rates >= 0 (below 1e-4 they count as 1e-4, as in TRL: `canonical.vespo_phi`)."""
     clip_eps = check_fp32("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
     clip_eps_high = check_fp32("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
     beta = check_fp32("beta", beta, minimum=0.0)
@@ -676,6 +692,19 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
                 FP32_TINY <= to_fp32(float(value)) <= FP32_MAX):
             raise LossContractError(f"{name}: expected a float > 0 that is a finite normal float32, got {value!r}")
         taus.append(float(value))
+    gamma = {}
+    for name, default in VESPO_GAMMA.items():
+        value = vespo.pop(name, None)
+        if surrogate is not Surrogate.VESPO:
+            if value is not None:
+                raise LossContractError(f"{name}: only used with loss_type='vespo', got {value!r} with "
+                                        f"loss_type={loss_type!r}")
+            gamma[name] = None
+            continue
+        gamma[name] = check_fp32(name, default if value is None else value,
+                                 minimum=0.0 if "lambda" in name else -math.inf)
+    if vespo:
+        raise TypeError(f"check_options: unexpected keyword arguments {sorted(vespo)}")
     if not isinstance(use_bias_correction_kl, bool):
         raise LossContractError(f"use_bias_correction_kl: expected a bool, got {type(use_bias_correction_kl).__name__}"
                                 f" {use_bias_correction_kl!r}")
@@ -689,7 +718,7 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
         threshold = float(threshold)
     return dict(delta=check_delta(delta), use_bias_correction_kl=use_bias_correction_kl,
                 importance_sampling_level=level, off_policy_mask_threshold=threshold,
-                sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1],
+                sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1], **gamma,
                 clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),
                 max_completion_length=check_max_completion_length(normalizer, max_completion_length),

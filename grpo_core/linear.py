@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from . import canonical
-from .checks import check_derived_advantages, check_inputs, check_loss, check_sampling_logps, check_tensor, stand_in
+from .checks import (check_derived_advantages, check_inputs, check_loss, check_option_inputs, check_tensor,
+                     stand_in)
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LogprobContract,
                        LossContractError, Surrogate, check_temperature, inverse_temperature)
 from .distributed.grpo_loss import gather_sequences
@@ -401,7 +402,8 @@ class LinearGRPOLossOp:
             _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps,
                           seq_hi - seq_lo, T, v_hi - v_lo, contract.beta)
             chosen.append(_kernels(self.kernels, hidden.device, contract.vocab_tile))
-            check_sampling_logps(sampling_logps, contract.off_policy_mask_threshold)
+            check_option_inputs(sampling_logps, importance_sampling_ratio, contract.off_policy_mask_threshold,
+                                contract.surrogate, contract.padded_seq_len)
             logits = stand_in((seq_hi - seq_lo, T, v_hi - v_lo), hidden.dtype, hidden.device)
             old = old_logps if old_logps is not None else torch.zeros(getattr(action_ids, "shape", ()),
                                                                       device=hidden.device)
@@ -448,7 +450,8 @@ class LinearGRPOLossOp:
         clip_lo, clip_hi = canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate)
         taus = contract.sapo_temperatures
         sequence = contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE
-        two_pass = sequence or contract.off_policy_mask_threshold is not None  # coefficients from whole sequences
+        gamma = contract.vespo_gamma
+        two_pass = sequence or contract.off_policy_mask_threshold is not None or gamma is not None  # whole sequences
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
@@ -493,9 +496,8 @@ class LinearGRPOLossOp:
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl,
                                                sequence=sequence)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
-        if contract.off_policy_mask_threshold is not None:
-            is_ratio = canonical.off_policy_weights(logp, old if sampling_logps is None else sampling_logps, adv,
-                                                    mask, contract.off_policy_mask_threshold, is_ratio)
+        is_ratio, phi = canonical.importance_weights(logp, old, adv, mask, is_ratio, contract.off_policy_mask_threshold,
+                                                     sampling_logps, gamma)
         sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta,
                                                                         is_ratio, contract.surrogate, logp, taus)),
                             self._token_sum(kl_tok), local_ratio])
@@ -532,6 +534,7 @@ class LinearGRPOLossOp:
             loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy, per_sequence_kl=per_seq_kl,
             advantages=advantages_all, per_sequence_active_tokens=counts, clip_fraction=clip_fraction,
             mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
+            vespo_phi=None if phi is None else gather_sequences(phi, contract, dp_group),
             provenance=provenance(self.backend, hidden, backend_id=BACKEND_ID, kernels=k.name,
                                   fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
@@ -565,8 +568,9 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                      kernels: str = "auto", delta: float | None = None, use_bias_correction_kl: bool = False,
                      importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
                      sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token",
-                     off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None
-                     ) -> GRPOLossResult:
+                     off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None,
+                     vespo_k_pos: float | None = None, vespo_lambda_pos: float | None = None,
+                     vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None) -> GRPOLossResult:
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
     make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
     `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
@@ -583,7 +587,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
         vocab_tile=vocab_tile, determinism_scope="topology_invariant", delta=delta,
         use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
         sapo_temperature_neg=sapo_temperature_neg, importance_sampling_level=importance_sampling_level,
-        off_policy_mask_threshold=off_policy_mask_threshold)
+        off_policy_mask_threshold=off_policy_mask_threshold, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
     return LinearGRPOLossOp(kernels).apply(hidden, weight, action_ids, old_logps, rewards, contract=contract,
                                            completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
                                            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,

@@ -20,7 +20,9 @@ class GRPOLossResult:
     What a trainer logs (detached fp32 scalars over the batch's active tokens; 0 when there is none):
     `clip_fraction` (TRL's clip ratio: tokens with ratio < 1 - clip_eps and A < 0, or ratio > 1 + clip_eps_high
     and A > 0), `mean_ratio`, `kl_token_mean` (the k3 KL's mean per active token, TRL's logged `kl`). `policy_loss`
-    is the surrogate alone; TRL's reported loss also holds `beta * kl`: that is `loss` here.
+    is the surrogate alone; TRL's reported loss also holds `beta * kl`: that is `loss` here. `vespo_phi` (loss_type
+    'vespo', else None): each sequence's gamma weight `[S]` (`canonical.vespo_phi`; with advantages per token, each
+    token's `[S, T]`, 0.0 on masked tokens), detached; TRL logs its mean over the sequences (`vespo/phi_seq_mean`).
     """
 
     loss: torch.Tensor  # fp32 scalar, differentiable
@@ -33,6 +35,7 @@ class GRPOLossResult:
     clip_fraction: torch.Tensor  # fp32 scalar, detached
     mean_ratio: torch.Tensor  # fp32 scalar, detached
     kl_token_mean: torch.Tensor  # fp32 scalar, detached
+    vespo_phi: torch.Tensor | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from grpo_core import GRPOLossContract, ShardingSpec
+from grpo_core.contract import VESPO_GAMMA
 from grpo_core.distributed import DistributedGRPOLossOp, VocabParallelLogprobOp
 from grpo_core.linear import LinearGRPOLossOp, linear_logprobs
 
@@ -43,8 +44,9 @@ class Scenario:
     delta: float | None = None
     bias_kl: bool = False  # the KL term times the ratio (use_bias_correction_kl)
     is_ratio: str = ""  # importance sampling weights: "token" [S, T], "sequence" [S, 1], or "" (none)
-    loss_type: str | None = None  # 'cispo', 'sapo', 'luspo': as TRL's (with the normalizer they name)
+    loss_type: str | None = None  # 'cispo', 'sapo', 'luspo', 'vespo': as TRL's (with the normalizer they name)
     taus: tuple[float, float] | None = None  # SAPO's temperatures (None: TRL's defaults)
+    gamma: tuple[float, float, float, float] | None = None  # VESPO's (k_pos, lambda_pos, k_neg, lambda_neg)
     level: str = "token"  # importance_sampling_level: "sequence" is GSPO's ratio
     off_policy: float | None = None  # off_policy_mask_threshold
     sampling: bool = False  # the off-policy mask reads sampler log-probs (the old ones plus noise), not the old ones
@@ -70,6 +72,7 @@ class Scenario:
             use_bias_correction_kl=self.bias_kl, loss_type=self.loss_type, importance_sampling_level=self.level,
             off_policy_mask_threshold=self.off_policy,
             **({} if self.taus is None else dict(zip(("sapo_temperature_pos", "sapo_temperature_neg"), self.taus))),
+            **({} if self.gamma is None else dict(zip(VESPO_GAMMA, self.gamma))),
             **self.groups)
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
@@ -181,6 +184,8 @@ SCENARIOS = {s.name: s for s in [
              is_ratio="token", empty=(5,), groups={"group_boundaries": (0, 3, 5, 8)}),
     Scenario("off_policy_bf16", vocab=1031, seed=22, dtype="bfloat16", off_policy=0.01, sampling=True,
              is_ratio="token", bias_kl=True, clip=(0.2, 0.28)),
+    Scenario("vespo_bf16", vocab=1031, seed=23, dtype="bfloat16", loss_type="vespo", gamma=(1.5, 2.0, 4.0, 1.0),
+             is_ratio="token", bias_kl=True, empty=(3,)),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),
@@ -190,6 +195,8 @@ SCENARIOS = {s.name: s for s in [
              is_ratio="sequence", normalizer="per_sequence_then_batch_mean"),
     Scenario("linear_gspo_luspo", vocab=1000, seed=21, hidden=32, reference="logps", level="sequence",
              loss_type="luspo", normalizer="sequence_sums_then_batch_mean", clip=(0.02, 0.03), empty=(6,)),
+    Scenario("linear_vespo_off_policy", vocab=1000, seed=24, hidden=32, reference="logps", loss_type="vespo",
+             is_ratio="token", off_policy=0.01, sampling=True),
 ]}
 
 

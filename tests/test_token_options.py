@@ -1,13 +1,17 @@
 """TRL's per-token options on every backend: `delta` (two-sided clipping), `use_bias_correction_kl` (the KL term times
 the ratio), the rollout's importance sampling ratio (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`;
-`[B, T]` or `[B, 1]`), the loss types `cispo`, `sapo` (with its temperatures) and `luspo` (its normalizer), GSPO's
-sequence-level ratio (`importance_sampling_level="sequence"`, with each of them) and the off-policy sequence mask
+`[B, T]` or `[B, 1]`), the loss types `cispo`, `sapo` (with its temperatures), `luspo` (its normalizer) and `vespo`
+(its gamma weight), GSPO's sequence-level ratio (`importance_sampling_level="sequence"`, with each of them) and the
+off-policy sequence mask
 (`off_policy_mask_threshold`, with `sampling_logps`): the fast paths against TRL 1.16's formulas in float64, the
 deterministic path's two kernel sets bitwise against each other, and the same errors for bad values everywhere. (The
 harness runs them at every TP x DP layout against the goldens: scenarios `token_options_bf16`, `linear_token_options`,
-`cispo_bf16`, `sapo_csr`, `luspo_empty`, `gspo_bf16`, `linear_gspo_luspo` and `off_policy_bf16`.)"""
+`cispo_bf16`, `sapo_csr`, `luspo_empty`, `gspo_bf16`, `linear_gspo_luspo`, `off_policy_bf16`, `vespo_bf16` and
+`linear_vespo`.)"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, make_
 from grpo_core import GRPOLossContract, LossContractError, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 from grpo_core.linear import linear_grpo_loss
+from grpo_core.native import NativeGRPOLossOp
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 B, T, V, H = 4, 6, 37, 16
@@ -37,7 +42,12 @@ CASES = [(dict(delta=1.05), "token"), (dict(delta=1.3, use_bias_correction_kl=Tr
          (dict(off_policy_mask_threshold=-0.05), "token"),
          (dict(off_policy_mask_threshold=-0.05, importance_sampling_level="sequence", use_bias_correction_kl=True),
           None),
-         (dict(off_policy_mask_threshold=-0.05, loss_type="sapo"), "sequence")]
+         (dict(off_policy_mask_threshold=-0.05, loss_type="sapo"), "sequence"),
+         (dict(loss_type="vespo"), "token"),
+         (dict(loss_type="vespo", vespo_k_pos=0.5, vespo_lambda_pos=1e-5, vespo_k_neg=-1.0, vespo_lambda_neg=0.5,
+               use_bias_correction_kl=True), None),
+         (dict(loss_type="vespo", importance_sampling_level="sequence", off_policy_mask_threshold=-0.05,
+               use_bias_correction_kl=True), "token")]
 IDS = [",".join(f"{k}={v}" for k, v in o.items()) + f",{w}" for o, w in CASES]
 
 
@@ -50,8 +60,9 @@ def importance_weights(kind: str | None) -> torch.Tensor | None:
 
 def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo", delta=None,
              use_bias_correction_kl=False, clip_eps_high=HI, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-             importance_sampling_level="token", off_policy_mask_threshold=None, sampling=None):
-    """TRL 1.16's `_compute_loss` in float64; cispo normalized as bnpo (one batch of one process)."""
+             importance_sampling_level="token", off_policy_mask_threshold=None, sampling=None, vespo_k_pos=2.0,
+             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
+    """TRL 1.16's `_compute_loss` in float64; cispo and vespo normalized as bnpo (one batch of one process)."""
     lp = torch.log_softmax(logits.double(), -1).gather(-1, INPUTS["action_ids"][..., None])[..., 0]
     m = mask.double()
     log_ratio = lp - old.double()
@@ -68,6 +79,10 @@ def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo"
     elif loss_type == "sapo":
         tau = torch.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * a
+    elif loss_type == "vespo":
+        per_token = -vespo_phi(lp - old.double(), m, a, is_ratio, (vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                                                                  vespo_lambda_neg)) * a * lp
+        is_ratio = None  # in phi, not on the term
     else:
         coef_2 = torch.clamp(coef_1, 1 - LO, 1 + clip_eps_high)
         if delta is not None:
@@ -85,6 +100,19 @@ def trl_loss(logits, ref_logps, old, adv, mask, is_ratio, beta, loss_type="bnpo"
     if loss_type == "luspo":
         return (per_token * m).sum(-1).mean()
     return (per_token * m).sum() / m.sum()
+
+
+def vespo_phi(log_ratio, m, a, is_ratio, gamma):
+    """TRL 1.16's `get_gamma_weights` in float64 (detached), `[B, 1]`; `m` float64 `[B, T]`."""
+    k_pos, lambda_pos, k_neg, lambda_neg = gamma
+    lower = math.log(1e-8)
+    seq = (log_ratio.detach().clamp(-20.0, 20.0) * m).sum(-1, keepdim=True)
+    if is_ratio is not None:  # TRL's ratios are 1 on masked tokens (its log-prob difference is masked): ours not
+        seq = seq + (torch.log(is_ratio.double()).clamp(lower, 20.0) * m).sum(-1, keepdim=True)
+    log_w = seq.clamp(lower, 20.0)
+    k = torch.where(a >= 0, k_pos, k_neg)
+    lam = torch.where(a >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 INPUTS = make_inputs(B, T, V, seed=11, device=DEV)
@@ -131,9 +159,10 @@ def test_backends_match_trl(backend, options, weights):
     is_ratio = importance_weights(weights)
     want_loss, want_grad = oracle(options, is_ratio)
     kw = {"single_pass": True} if backend.endswith("single_pass") else {}
-    if kw and (options.get("importance_sampling_level") == "sequence" or "off_policy_mask_threshold" in options):
+    if kw and (options.get("importance_sampling_level") == "sequence" or "off_policy_mask_threshold" in options
+               or options.get("loss_type") == "vespo"):
         with pytest.raises(LossContractError, match="single_pass / inplace: expected False with "
-                                                    "importance_sampling_level='sequence' or off_policy_mask"):
+                                                    "importance_sampling_level='sequence', off_policy_mask"):
             run("triton", options, is_ratio, **kw)
         return
     loss, grad = run(backend.split("/")[0] if kw else backend, options, is_ratio, **kw)
@@ -176,8 +205,9 @@ def test_sequence_weights_are_token_weights_repeated():
                                      dict(importance_sampling_level="sequence", delta=1.05,
                                           use_bias_correction_kl=True),
                                      dict(importance_sampling_level="sequence", loss_type="cispo", clip_eps_high=1.02),
-                                     dict(off_policy_mask_threshold=-0.05, use_bias_correction_kl=True)],
-                         ids=["delta_bias", "sapo", "cispo", "gspo", "gspo_cispo", "off_policy"])
+                                     dict(off_policy_mask_threshold=-0.05, use_bias_correction_kl=True),
+                                     dict(loss_type="vespo", use_bias_correction_kl=True, vespo_k_neg=1.0)],
+                         ids=["delta_bias", "sapo", "cispo", "gspo", "gspo_cispo", "off_policy", "vespo"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_linear_loss_matches_trl(kernels, options):
     """The fused linear loss: its hidden-state gradient against TRL's formula on `hidden @ weight.T`."""
@@ -274,7 +304,13 @@ def test_malformed_importance_weights_raise_everywhere(backend, is_ratio, match)
     (dict(loss_type="sapo", sapo_temperature_pos=0.0), "sapo_temperature_pos: expected a float > 0"),
     (dict(loss_type="sapo", sapo_temperature_neg=float("inf")), "sapo_temperature_neg: expected a float > 0"),
     (dict(loss_type="sapo", sapo_temperature_neg="1"), "sapo_temperature_neg: expected a float > 0"),
-    (dict(loss_type="vespo"), "loss_type: expected one of"),
+    (dict(loss_type="vespa"), "loss_type: expected one of"),
+    (dict(vespo_k_pos=1.0), "vespo_k_pos: only used with loss_type='vespo'"),
+    (dict(loss_type="sapo", vespo_lambda_neg=1.0), "vespo_lambda_neg: only used with loss_type='vespo'"),
+    (dict(loss_type="vespo", vespo_lambda_pos=-1.0), "vespo_lambda_pos: expected a finite float >= 0.0"),
+    (dict(loss_type="vespo", vespo_k_neg=float("nan")), "vespo_k_neg: expected a finite float, got nan"),
+    (dict(loss_type="vespo", vespo_k_pos=1e39), "vespo_k_pos: expected a float that is finite in float32"),
+    (dict(loss_type="vespo", delta=2.0), "delta: only used with the clipped surrogate"),
     (dict(importance_sampling_level="segment"), "importance_sampling_level: expected one of 'token', 'sequence', "
                                                 "got 'segment'"),
     (dict(off_policy_mask_threshold=float("nan")), "off_policy_mask_threshold: expected None or a float that is "
@@ -299,8 +335,9 @@ def test_fingerprint_moves_only_with_the_options():
               contract(loss_type="sapo").fingerprint(),
               contract(loss_type="sapo", sapo_temperature_pos=2.0).fingerprint(),
               contract(importance_sampling_level="sequence").fingerprint(),
-              contract(off_policy_mask_threshold=0.1).fingerprint()}
-    assert len(prints) == 9
+              contract(off_policy_mask_threshold=0.1).fingerprint(), contract(loss_type="vespo").fingerprint(),
+              contract(loss_type="vespo", vespo_lambda_neg=1.0).fingerprint()}
+    assert len(prints) == 11
     assert contract(importance_sampling_level="token").fingerprint() == plain
     # cispo and sapo name a normalizer and a term: a normalizer given replaces theirs (TRL's dapo-like cispo)
     fixed = contract(loss_type="cispo", normalizer="fixed_constant", normalizer_constant=64.0)
@@ -309,6 +346,7 @@ def test_fingerprint_moves_only_with_the_options():
         contract(loss_type="dapo", normalizer="fixed_constant", normalizer_constant=64.0)
     default_taus = contract(loss_type="sapo", sapo_temperature_neg=1.05)
     assert contract(loss_type="sapo").fingerprint() == default_taus.fingerprint()
+    assert contract(loss_type="vespo").fingerprint() == contract(loss_type="vespo", vespo_k_pos=2.0).fingerprint()
 
 
 @pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton"])
@@ -417,3 +455,42 @@ def test_bad_sampler_log_probs_raise_everywhere(backend):
         _call(backend, off_policy_mask_threshold=0.1, sampling_logps=s)
     with pytest.raises(LossContractError, match="sampling_logps: only read by the off-policy mask"):
         _call(backend, sampling_logps=_sampling_logps())
+
+
+@pytest.mark.parametrize("backend", ["native", "distributed/torch", "distributed/triton", "linear"])
+def test_vespo_reports_trl_gamma_weights(backend):
+    """`GRPOLossResult.vespo_phi`: TRL's `get_gamma_weights` per sequence (what TRL logs as `vespo/phi_seq_mean`), and
+    with advantages per token each token's, by the sign of its own advantage."""
+    i, m = INPUTS, INPUTS["completion_mask"]
+    lp = torch.log_softmax(i["policy_logits"].double(), -1).gather(-1, i["action_ids"][..., None])[..., 0]
+    gamma, w = (2.0, 3.0, 3.0, 2.0), importance_weights("token")
+    for adv in (ADV, torch.randn(B, T, generator=torch.Generator().manual_seed(4)).to(DEV)):
+        a = adv.double() if adv.dim() == 2 else adv.double()[:, None]
+        want = vespo_phi(lp - i["old_logps"].double(), m.double(), a, w, gamma)
+        want = want[:, 0] if adv.dim() == 1 else want * m
+        if backend == "linear":
+            res = linear_grpo_loss(i["policy_logits"].float(), torch.eye(V, device=DEV), i["action_ids"],
+                                   i["old_logps"], None, m, advantages=adv, loss_type="vespo", ref_logps=REF_LOGPS,
+                                   importance_sampling_ratio=w, kernels="torch")
+        elif backend == "native":
+            res = NativeGRPOLossOp().apply(
+                i["policy_logits"], i["action_ids"], i["old_logps"], contract=GRPOLossContract(
+                    num_sequences=B, padded_seq_len=T, vocab_size=V, loss_type="vespo",
+                    advantages_input="sequence" if adv.dim() == 1 else "token"),
+                completion_mask=m, advantages=adv, ref_local_logits=i["ref_logits"], importance_sampling_ratio=w)
+        else:
+            c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, loss_type="vespo",
+                                 advantages_input="sequence" if adv.dim() == 1 else "token",
+                                 determinism_scope="topology_invariant")
+            res = DistributedGRPOLossOp(backend.split("/")[1]).apply(
+                i["policy_logits"], i["action_ids"], i["old_logps"], contract=c, completion_mask=m, advantages=adv,
+                ref_local_logits=i["ref_logits"], importance_sampling_ratio=w, check_values="sync")
+        assert (want - 1).abs().max() > 0.1  # not vacuous: the weights are not all 1
+        assert_close_verbose(res.vespo_phi, want, atol=1e-6, rtol=1e-5, what=f"{backend} phi")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vespo_refuses_sequence_importance_weights(backend):
+    with pytest.raises(LossContractError, match=r"importance_sampling_ratio: expected one per token \[B, T\] with "
+                                                r"loss_type='vespo'.* got \[4, 1\]"):
+        _call(backend, importance_weights("sequence"), loss_type="vespo")

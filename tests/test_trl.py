@@ -1,8 +1,9 @@
 """TRL's `GRPOTrainer` trained with TRL's own loss and with ours (`GRPOCoreTrainer`): the same logged numbers and
-the same parameters after every step, for loss_type grpo, bnpo, dr_grpo, dapo, cispo, sapo and luspo, with and
-without the KL term, and with TRL's `delta`, `use_bias_correction_kl`, SAPO temperatures, GSPO's
-`importance_sampling_level="sequence"` and `off_policy_mask_threshold`. vLLM's importance sampling ratio
-cannot come from a run here (no vLLM): both trainers' `_compute_loss` take it on one batch made by the test.
+the same parameters after every step, for loss_type grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo and vespo,
+with and without the KL term, and with TRL's `delta`, `use_bias_correction_kl`, SAPO temperatures, VESPO's
+gamma parameters, GSPO's `importance_sampling_level="sequence"` and `off_policy_mask_threshold`. vLLM's importance
+sampling ratio cannot come from a run here (no vLLM): both trainers' `_compute_loss` take it on one batch made by the
+test.
 
 Everything is local and on the CPU: a tiny randomly initialized Llama built from a config, a character-level
 tokenizer built with `tokenizers`, a six-prompt in-memory dataset, a toy reward. No hub access (offline mode is
@@ -43,9 +44,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 # cispo: TRL's recommended epsilon_high (5.0) never binds here; 1.1 does, on the second pass over a generation (the
 # logged cispo_clip_ratio, asserted > 0), and stays clear of the ratios of exactly 1 (up to rounding) of the first.
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]  # sapo: TRL's default temperatures
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # sapo, vespo: TRL's defaults
 LOSS_OPTIONS = {"cispo": dict(epsilon_high=1.1)}  # per loss type, over make_trainer's defaults
-CLIP_RATIO_KEYS = {"cispo": "cispo_clip_ratio", "sapo": None}  # what TRL logs (default: clip_ratio/region_mean)
+CLIP_RATIO_KEYS = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}  # TRL's (default: the region's)
 # Tolerances. fp32 throughout; the two sides compute the log-probs with different kernels (TRL: its chunked LM
 # head; ours: the canonical fixed-order dots and trees) and sum the token terms in different orders, so they agree
 # to a few fp32 ulps (measured: losses and KLs of 0.01-0.3 within 9e-8, parameters that moved by ~0.1 within
@@ -131,7 +132,7 @@ def compare(theirs, ours, beta: float, loss_type: str, on_policy: bool = False) 
     assert {key for record in logs_o for key in record if "clip_ratio" in key} == set(clip_keys)
     if clip_key is None:
         assert not {key for record in logs_t for key in record if "clip_ratio" in key}
-    keys = ["loss", *clip_keys] + (["kl"] if beta else [])
+    keys = ["loss", *clip_keys] + (["kl"] if beta else []) + (["vespo/phi_seq_mean"] if loss_type == "vespo" else [])
     worst = dict.fromkeys(keys + ["params"], 0.0)
     for step, (lt, lo, pt, po) in enumerate(zip(logs_t, logs_o, params_t, params_o), start=1):
         for key in keys:
@@ -155,6 +156,8 @@ def compare(theirs, ours, beta: float, loss_type: str, on_policy: bool = False) 
         assert clipped == 0.0 if on_policy else clipped > 0  # on-policy, the ratio is exactly 1
     if beta:
         assert max(record["kl"] for record in logs_t) > 1e-3
+    if loss_type == "vespo":  # the second pass over a generation weighs its sequences away from 1
+        assert max(abs(record["vespo/phi_seq_mean"] - 1.0) for record in logs_t) > 1e-3
     return worst
 
 
@@ -188,11 +191,13 @@ def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
 # sequence ratios of the second pass over a generation cross it (a mean log-ratio varies less than a token's).
 DELTA = dict(delta=1.1, epsilon_high=0.05)
 SAPO_TEMPERATURES = dict(sapo_temperature_pos=2.0, sapo_temperature_neg=4.0)
+VESPO_GAMMA = dict(vespo_k_pos=0.5, vespo_lambda_pos=1.0, vespo_k_neg=6.0, vespo_lambda_neg=4.0)
 # The off-policy mask's threshold: 1e-3, not 0, which would sit on the rounding of the first pass over a generation
 # (TRL's log-probs and ours differ by ~1e-7 there, where an unchanged policy's mean log-ratio is 0).
 GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
 OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_kl"],  # each proof drops these
-           "sapo temperatures": list(SAPO_TEMPERATURES), "sequence level": ["importance_sampling_level"],
+           "sapo temperatures": list(SAPO_TEMPERATURES), "vespo gamma": list(VESPO_GAMMA),
+           "sequence level": ["importance_sampling_level"],
            "off-policy mask": ["off_policy_mask_threshold"]}
 
 
@@ -208,9 +213,10 @@ OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_k
     ("cispo", 0.0, dict(importance_sampling_level="sequence", epsilon_high=1.02)),
     ("dapo", 0.04, dict(off_policy_mask_threshold=1e-3)),
     ("grpo", 0.0, dict(importance_sampling_level="sequence", off_policy_mask_threshold=1e-3)),
+    ("vespo", 0.04, dict(VESPO_GAMMA, use_bias_correction_kl=True)),
 ], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl", "sapo_temperatures", "gspo-grpo",
         "gspo-luspo", "gspo-dapo-bias_correction_kl", "gspo-sapo", "gspo-cispo", "off_policy_mask",
-        "gspo-grpo-off_policy_mask"])
+        "gspo-grpo-off_policy_mask", "vespo-gamma-bias_correction_kl"])
 def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, options):
     theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
     ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)
@@ -228,13 +234,15 @@ def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, 
           + "; TRL's parameters without " + ", ".join(f"{k} move by {v:.2e}" for k, v in gaps.items()))
 
 
-def test_vllm_importance_sampling_matches_trl(tiny_model, tmp_path):
+@pytest.mark.parametrize("loss_type", ["dapo", "vespo"])
+def test_vllm_importance_sampling_matches_trl(tiny_model, tmp_path, loss_type):
     """TRL's vLLM importance sampling correction without vLLM: both trainers' `_compute_loss` on one batch made here
-    with `inputs["importance_sampling_ratio"]` (`[B, T]`, then `[B, 1]`), with `use_vllm` and
-    `vllm_importance_sampling_correction` set on the instances (TRL's condition for applying it). Eval mode: the
-    accumulation scaling is the training tests' part. Same loss and gradients; TRL's loss without the correction, and
-    the shift that putting the ratio on the KL term too would make, are far outside the tolerance."""
-    trainers = [make_trainer(tiny_model, tmp_path / cls.__name__, cls, loss_type="dapo", beta=0.04)
+    with `inputs["importance_sampling_ratio"]` (`[B, T]`, then `[B, 1]`; vespo: `[B, T]`, TRL's only modes for it,
+    in its gamma weight), with `use_vllm` and `vllm_importance_sampling_correction` set on the instances (TRL's
+    condition for applying it). Eval mode: the accumulation scaling is the training tests' part. Same loss and
+    gradients; TRL's loss without the correction, and (dapo) the shift that putting the ratio on the KL term too would
+    make, are far outside the tolerance. The ratio is 1 on masked tokens, as TRL makes it."""
+    trainers = [make_trainer(tiny_model, tmp_path / cls.__name__, cls, loss_type=loss_type, beta=0.04)
                 for cls in (trl.GRPOTrainer, GRPOCoreTrainer)]
     for trainer in trainers:
         trainer.model.eval()
@@ -256,27 +264,30 @@ def test_vllm_importance_sampling_matches_trl(tiny_model, tmp_path):
 
     def loss_and_grads(trainer, ratio):
         trainer.model.zero_grad()
-        loss = trainer._compute_loss(trainer.model, {**inputs, "importance_sampling_ratio": ratio})
+        given = {} if ratio is None else {"importance_sampling_ratio": ratio}
+        loss = trainer._compute_loss(trainer.model, {**inputs, **given})
         loss.backward()
         return loss.item(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
 
-    for shape in [(B, T), (B, 1)]:
+    for shape in [(B, T), (B, 1)] if loss_type == "dapo" else [(B, T)]:
         ratio = 0.5 + 1.5 * torch.rand(shape, generator=g)
+        if shape == (B, T):
+            ratio = torch.where(mask.bool(), ratio, 1.0)
         (loss_t, grads_t), (loss_o, grads_o) = (loss_and_grads(trainer, ratio) for trainer in trainers)
         loss_diff, grad_diff = abs(loss_t - loss_o), max_param_diff(grads_t, grads_o)
         tol = ATOL + RTOL * abs(loss_t)
         assert loss_diff <= tol, f"{list(shape)}: loss {loss_t!r} (TRL) vs {loss_o!r} (ours)"
         assert grad_diff <= PARAM_ATOL, f"{list(shape)}: gradients differ by up to {grad_diff:.3e}"
         trainers[0].vllm_importance_sampling_correction = False  # not vacuous: the ratio changes TRL's loss ...
-        loss_off, grads_off = loss_and_grads(trainers[0], ratio)
+        loss_off, grads_off = loss_and_grads(trainers[0], None)
         trainers[0].vllm_importance_sampling_correction = True
         assert abs(loss_off - loss_t) > 100 * tol and max_param_diff(grads_off, grads_t) > 100 * PARAM_ATOL
         # ... and a ratio on the KL term too would add this (dapo in eval: over the active tokens)
         kl_shift = 0.04 * (mask * kl * (ratio - 1.0)).sum().item() / mask.sum().item()
-        assert abs(kl_shift) > 100 * tol
-        print(f"vLLM importance sampling ratio {list(shape)}: largest |TRL - ours|: loss {loss_diff:.2e}, "
-              f"gradients {grad_diff:.2e}; without the ratio the loss moves by {abs(loss_off - loss_t):.2e}, with it "
-              f"on the KL term too by {abs(kl_shift):.2e}")
+        assert loss_type == "vespo" or abs(kl_shift) > 100 * tol
+        print(f"{loss_type}: vLLM importance sampling ratio {list(shape)}: largest |TRL - ours|: loss "
+              f"{loss_diff:.2e}, gradients {grad_diff:.2e}; without the ratio the loss moves by "
+              f"{abs(loss_off - loss_t):.2e}")
 
 
 def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
@@ -289,7 +300,8 @@ def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(loss_type="vespo"), "loss_type"),
+    (dict(loss_type="vespa"), "loss_type"),
+    (dict(loss_type="vespo", delta=2.0), "delta"),
     (dict(importance_sampling_level="segment"), "importance_sampling_level"),
     (dict(loss_type="dr_grpo"), "max_completion_length"),
     (dict(loss_type="cispo", delta=2.0), "delta"),

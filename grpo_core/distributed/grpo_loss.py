@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import canonical, pending
-from ..checks import (check_derived_advantages, check_inputs, check_logprobs, check_loss, check_sampling_logps,
+from ..checks import (check_derived_advantages, check_inputs, check_logprobs, check_loss, check_option_inputs,
                       check_tensor, stand_in)
 from ..contract import (AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LossContractError,
                         inverse_temperature)
@@ -163,7 +163,8 @@ class DistributedGRPOLossOp:
                     f" from the contract (sequences {seq_lo}:{seq_hi}, vocab {v_lo}:{v_hi}), got "
                     f"{list(policy_local_logits.shape)}")
             triton_runs = self._triton_runs(policy_local_logits, contract.vocab_tile)
-            check_sampling_logps(sampling_logps, contract.off_policy_mask_threshold)
+            check_option_inputs(sampling_logps, importance_sampling_ratio, contract.off_policy_mask_threshold,
+                                contract.surrogate, contract.padded_seq_len)
             return check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                                 beta=contract.beta, vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo,
                                 rewards_required=True, values=not triton_runs, advantages=advantages,
@@ -207,8 +208,8 @@ class DistributedGRPOLossOp:
             adv = k.token_advantages(given, mask)
         given_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
         ref = None if ref_local_logits is None else ref_local_logits.detach()
-        logp, logp_ref, sums, ints, state = k.forward(c, policy_local_logits.detach(), ref, given_ref, adv,
-                                                      rewards_local)
+        logp, logp_ref, sums, ints, phi, state = k.forward(c, policy_local_logits.detach(), ref, given_ref, adv,
+                                                           rewards_local)
         # Every rank holds the whole batch's per-sequence vectors, gathered in DP-rank order.
         ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
         scalars, w, flag = k.finish(sums, ints, contract)
@@ -227,6 +228,7 @@ class DistributedGRPOLossOp:
             loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=sums[0], per_sequence_kl=sums[1],
             advantages=advantages_all, per_sequence_active_tokens=ints[0], clip_fraction=clip_fraction,
             mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
+            vespo_phi=None if phi is None else c.gather(phi),
             provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID, kernels=k.name,
                                   fingerprint=contract.fingerprint(), tile_width=contract.logprob_contract.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
@@ -255,14 +257,13 @@ class _Call:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
 
-    def weights(self, logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor | None:
-        """The importance weights the token terms read: `is_ratio`, with the off-policy mask folded in when the
-        contract sets its threshold (`canonical.off_policy_weights`, from this rank's whole sequences)."""
-        threshold = self.contract.off_policy_mask_threshold
-        if threshold is None:
-            return self.is_ratio
-        sampling = self.old if self.sampling is None else self.sampling
-        return canonical.off_policy_weights(logp, sampling, adv, self.mask, threshold, self.is_ratio)
+    def weights(self, logp: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`(weights, phi)`: the importance weights the token terms read (`is_ratio`, or vespo's gamma weight, with the
+        off-policy mask folded in when the contract sets its threshold) and vespo's phi of this rank's sequences
+        (`canonical.importance_weights`, from this rank's whole sequences)."""
+        o = self.contract
+        return canonical.importance_weights(logp, self.old, adv, self.mask, self.is_ratio,
+                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma)
 
 
 class _TorchKernels:
@@ -284,7 +285,8 @@ class _TorchKernels:
 
     def forward(self, c: _Call, x, ref, given_ref, adv, rewards):
         """`(logp, logp_ref, per-sequence sums fp32 [3, n] (surrogate, KL, ratio), ints int64 [3, n] (active tokens,
-        non-finite log-probs, clipped tokens), what the gradient needs)`. (`rewards`: the Triton kernels' use.)"""
+        non-finite log-probs, clipped tokens), vespo's phi (or None), what the gradient needs)`. (`rewards`: the
+        Triton kernels' use.)"""
         n, T = c.mask.shape
         lp = c.contract.logprob_contract
         lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
@@ -306,13 +308,13 @@ class _TorchKernels:
                                                sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        w_is = c.weights(logp, adv)
+        w_is, phi = c.weights(logp, adv)
         policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
                                              o.sapo_temperatures)
         sums = torch.stack([self.token_sum(policy),
                             self.token_sum(kl_tok), local_ratio])
         ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
-        return logp, logp_ref, sums, ints, (rows, ids, lse, ratio, adv, lo_t, hi_t, w_is)
+        return logp, logp_ref, sums, ints, phi, (rows, ids, lse, ratio, adv, lo_t, hi_t, w_is)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -389,13 +391,13 @@ class _TritonKernels:
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
             ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
-        w_is = c.weights(logp[0], canonical.used_advantages(adv, c.mask))
+        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask))
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, ratio)
         if c.sampling is not None:  # a +-inf sampler log-prob at an active token: the sequence's bad-value flag
             ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
-        return logp[0], logp_ref, sums, ints, (lse[0], adv, ratio, w_is)
+        return logp[0], logp_ref, sums, ints, phi, (lse[0], adv, ratio, w_is)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):

@@ -6,8 +6,8 @@
 old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)` with `_input` the last
 hidden states `[B, T, H]`, and the same return `(loss, metrics)`: `metrics = (kl, clip_ratio)` when `beta != 0`,
 `(clip_ratio,)` otherwise, each a mean over the active tokens (cispo's clip ratio: the tokens with ratio >
-epsilon_high and A > 0; sapo's: 0; with `importance_sampling_level="sequence"` the clip ratio is a mean over the
-sequences, as TRL logs it). It needs torch only.
+epsilon_high and A > 0; sapo's and vespo's: 0; with `importance_sampling_level="sequence"` the clip ratio is a mean
+over the sequences, as TRL logs it). It needs torch only.
 
 `GRPOCoreTrainer` (needs the `trl` extra: trl 1.16) is TRL's `GRPOTrainer` training on our loss. TRL 1.16 builds no
 Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with its own chunked LM head
@@ -16,30 +16,32 @@ alone: it runs the backbone for the hidden states of the completion positions an
 weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation trainer
 does. Generation, rewards, advantages and the old and reference log-probabilities stay TRL's. It logs what TRL logs
 of the loss: `kl` (beta != 0) and the clip ratio of the loss type (`clip_ratio/region_mean`; cispo's
-`cispo_clip_ratio`; none for sapo, which clips nothing); not `entropy` nor the low / high clip ratios, which the loss
-does not compute.
+`cispo_clip_ratio`; none for sapo and vespo, which clip nothing), and vespo's `vespo/phi_seq_mean`; not `entropy` nor
+the low / high clip ratios, which the loss does not compute.
 
 Loss types (TRL's semantics; each is the op's `loss_type`): grpo, bnpo, dr_grpo and dapo (the clipped surrogate
 under their token normalizers); cispo (`-sg(min(ratio, epsilon_high)) * A * logp`, the ratio clamped at
 `epsilon_high` itself, normalized as dapo: TRL's `num_items_in_batch`); sapo (`-sigmoid(tau * (ratio - 1)) * 4 / tau
 * A`, tau `sapo_temperature_pos` where A > 0 else `sapo_temperature_neg`, normalized as grpo); luspo (the clipped
-surrogate, each sequence's token sum averaged over the sequences). As in TRL, the
-trainer divides the loss by the accumulation steps except for dapo and cispo, whose normalizer holds them.
+surrogate, each sequence's token sum averaged over the sequences); vespo (`-phi * A * logp`, phi the detached gamma
+weight of the sequence's summed log-ratio with `vespo_k_pos` / `_lambda_pos` / `_k_neg` / `_lambda_neg`, the
+importance sampling ratio in its log, normalized as dapo). As in TRL, the trainer divides the loss by the accumulation
+steps except for dapo, cispo and vespo, whose normalizer holds them.
 
 TRL's (and Liger's) loss options reach the loss: `delta` (two-sided clipping, the clipped surrogate's only: the
 unclipped ratio clamped above at delta; below 1 + epsilon_high, the logged `clip_ratio/region_mean` counts the ratio
 and TRL's the clamped ratio), `use_bias_correction_kl` (the k3 KL times the ratio; TRL 1.16's default) and the
 vLLM importance sampling correction (Liger's `vllm_is_ratio`, TRL's `inputs["importance_sampling_ratio"]`, `[B, T]`
-or `[B, 1]`, multiplied into the policy term and not into the KL). The trainer takes them, and the SAPO
-temperatures, from its config, the ratio exactly when TRL applies it (`use_vllm` and
-`vllm_importance_sampling_correction`).
+or `[B, 1]`, multiplied into the policy term and not into the KL; vespo takes `[B, T]` only, in its gamma weight).
+The trainer takes them, and the SAPO temperatures and VESPO parameters, from its config, the ratio exactly when TRL
+applies it (`use_vllm` and `vllm_importance_sampling_correction`; vespo: whenever the inputs hold it, as TRL).
 
 `importance_sampling_level='sequence'` (GSPO: every token reads its sequence's ratio) reaches the loss too; the clip
 ratio it logs is then TRL's mean over the sequences. So does `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy
 sequence mask, with TRL's `inputs["sampling_per_token_logps"]` when vLLM gives them, else the old log-probs).
 
-Not supported, refused with a `ValueError` naming the argument: loss type vespo (its per-token term is not computed);
-`delta` with cispo or sapo (TRL ignores it there: leave it None). The trainer also refuses what needs the token
+Not supported, refused with a `ValueError` naming the argument: `delta` with cispo, sapo or vespo (TRL ignores it
+there: leave it None). The trainer also refuses what needs the token
 entropies or a loss term of its own (`top_entropy_quantile`, `entropy_coef`, `use_adaptive_entropy`, a MoE router
 loss), logits that the model soft-caps or scales, and vision inputs.
 """
@@ -51,19 +53,20 @@ from typing import Any
 import torch
 
 from ..linear import linear_grpo_loss
+from ..result import GRPOLossResult
 
 __all__ = ["GRPOCoreTrainer", "GRPOLinearLoss"]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-BY_NUM_ITEMS = ("dapo", "cispo")  # TRL divides them by `num_items_in_batch`, which holds the accumulation
-CLIP_RATIO_KEYS = {"cispo": "cispo_clip_ratio", "sapo": None}  # TRL's logged clip ratio (default: the region's)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+BY_NUM_ITEMS = ("dapo", "cispo", "vespo")  # TRL divides them by `num_items_in_batch`, which holds the accumulation
+CLIP_RATIO_KEYS = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}  # TRL's (default: the region's)
 
 
 class GRPOLinearLoss(torch.nn.Module):
     """Liger's `LigerFusedLinearGRPOLoss` interface on `linear_grpo_loss`. `compiled` and `chunk_size` are accepted
     and ignored (the op chunks the tokens itself); the SAPO temperatures reach the loss with loss_type='sapo' only,
-    the VESPO parameters never (vespo is refused). `use_ref_model=False` makes the KL term zero (Liger then compares
-    the policy with itself)."""
+    the VESPO parameters with 'vespo' only. `use_ref_model=False` makes the KL term zero (Liger then compares the
+    policy with itself). `result(...)` takes `forward`'s arguments and returns the op's whole `GRPOLossResult`."""
 
     def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
@@ -74,15 +77,13 @@ class GRPOLinearLoss(torch.nn.Module):
                  vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
         super().__init__()
         if loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r} "
-                             f"(grpo-core does not compute vespo's per-token term); use Liger's or TRL's own loss "
-                             f"for it")
+            raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r}")
         if importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got "
                              f"{importance_sampling_level!r}")
         if loss_type == "dr_grpo" and max_completion_length is None:
             raise ValueError("max_completion_length: expected an int with loss_type='dr_grpo', got None")
-        if delta is not None and loss_type in ("cispo", "sapo"):
+        if delta is not None and loss_type in ("cispo", "sapo", "vespo"):
             raise ValueError(f"delta: expected None with loss_type={loss_type!r}, got {delta!r} (two-sided clipping "
                              f"belongs to the clipped surrogate; TRL ignores it there): leave it None")
         self.beta, self.use_ref_model, self.loss_type = beta, use_ref_model, loss_type
@@ -92,14 +93,24 @@ class GRPOLinearLoss(torch.nn.Module):
         self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
         self.importance_sampling_level = importance_sampling_level
         self.off_policy_mask_threshold = off_policy_mask_threshold
+        self.vespo_gamma = {"vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos,
+                            "vespo_k_neg": vespo_k_neg, "vespo_lambda_neg": vespo_lambda_neg}
 
-    def forward(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Liger's `(loss, metrics)` of `result(...)`: `metrics = (kl, clip_ratio)` when `beta != 0`, else
+        `(clip_ratio,)`."""
+        result = self.result(*args, **kwargs)
+        if self.beta == 0.0:
+            return result.loss, (result.clip_fraction,)
+        return result.loss, (result.kl_token_mean, result.clip_fraction)
+
+    def result(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
                 attention_mask: torch.Tensor, advantages: torch.Tensor, bias: torch.Tensor | None = None,
                 ref_per_token_logps: torch.Tensor | None = None, old_per_token_logps: torch.Tensor | None = None,
                 ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                 ref_bias: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None,
                 num_items_in_batch: torch.Tensor | float | None = None,
-                sampling_per_token_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                sampling_per_token_logps: torch.Tensor | None = None) -> GRPOLossResult:
         """`_input [B, T, H]`, `lin_weight [V, H]`, `selected_token_ids`, `attention_mask [B, T]`, `advantages [B]`.
         `num_items_in_batch` (dapo and cispo): the active tokens of the whole generation batch, over all processes;
         the loss is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this
@@ -115,7 +126,7 @@ class GRPOLinearLoss(torch.nn.Module):
                              "beta != 0, got neither")
         if use_ref and ref_per_token_logps is not None:
             ref_input = ref_weight = ref_bias = None  # Liger, too, uses the given log-probabilities
-        result = linear_grpo_loss(
+        return linear_grpo_loss(
             _input, lin_weight, selected_token_ids, old_per_token_logps, None, attention_mask, bias=bias,
             advantages=advantages, ref_logps=ref_per_token_logps if use_ref else None,
             ref_hidden=ref_input if use_ref else None, ref_weight=ref_weight if use_ref else None,
@@ -125,24 +136,20 @@ class GRPOLinearLoss(torch.nn.Module):
             importance_sampling_level=self.importance_sampling_level,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             sampling_logps=None if self.off_policy_mask_threshold is None else sampling_per_token_logps,
-            **self._sapo_temperatures(),
-            **self._normalizer(attention_mask, num_items_in_batch))
-        metrics = (result.clip_fraction,)
-        if self.beta != 0.0:
-            metrics = (result.kl_token_mean if use_ref else torch.zeros_like(result.clip_fraction), *metrics)
-        return result.loss, metrics
+            **self._term_options(), **self._normalizer(attention_mask, num_items_in_batch))
 
-    def _sapo_temperatures(self) -> dict[str, float]:
-        """The op refuses the SAPO temperatures with another loss type."""
-        if self.loss_type != "sapo":
-            return {}
-        return {"sapo_temperature_pos": self.sapo_temperature_pos, "sapo_temperature_neg": self.sapo_temperature_neg}
+    def _term_options(self) -> dict[str, float]:
+        """The op refuses the SAPO temperatures and the VESPO parameters with another loss type."""
+        if self.loss_type == "sapo":
+            return {"sapo_temperature_pos": self.sapo_temperature_pos,
+                    "sapo_temperature_neg": self.sapo_temperature_neg}
+        return self.vespo_gamma if self.loss_type == "vespo" else {}
 
     def _normalizer(self, mask: torch.Tensor, num_items_in_batch: Any) -> dict[str, Any]:
-        """The op's loss type and normalizer arguments. Only dapo's and cispo's normalizer can differ from this
-        batch's own: TRL divides both by the generation batch's active tokens over the processes
-        (`num_items_in_batch / world`), given to the op as a fixed constant; cispo's `loss_type` still names its
-        per-token term (dapo's, the clipped surrogate, is the op's default)."""
+        """The op's loss type and normalizer arguments. Only the normalizer of dapo, cispo and vespo can differ from
+        this batch's own: TRL divides them by the generation batch's active tokens over the processes
+        (`num_items_in_batch / world`), given to the op as a fixed constant; cispo's and vespo's `loss_type` still
+        names their per-token term (dapo's, the clipped surrogate, is the op's default)."""
         if self.loss_type == "dr_grpo":
             return {"loss_type": "dr_grpo", "max_completion_length": self.max_completion_length}
         if self.loss_type not in BY_NUM_ITEMS:
@@ -156,7 +163,7 @@ class GRPOLinearLoss(torch.nn.Module):
             dist.all_reduce(count)
             num_items_in_batch = count
         constant = max(float(num_items_in_batch) / world, 1.0)
-        term = {"loss_type": "cispo"} if self.loss_type == "cispo" else {}
+        term = {} if self.loss_type == "dapo" else {"loss_type": self.loss_type}
         return {**term, "normalizer": "fixed_constant", "normalizer_constant": constant}
 
 
@@ -207,7 +214,9 @@ def _grpo_core_trainer() -> type:
                 importance_sampling_level=self.importance_sampling_level, temperature=self.temperature,
                 delta=a.delta, use_bias_correction_kl=a.use_bias_correction_kl,
                 off_policy_mask_threshold=a.off_policy_mask_threshold,
-                sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg)
+                sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+                vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+                vespo_lambda_neg=a.vespo_lambda_neg)
             self.grpo_core_redirection = _ForwardRedirection()
 
         def _compute_loss(self, model, inputs):
@@ -219,25 +228,27 @@ def _grpo_core_trainer() -> type:
             if mode == "train":  # TRL's dapo normalizer spans one accumulation window of the generation batch
                 num_items = num_items * accumulation / self.args.steps_per_generation
             unwrapped = self.accelerator.unwrap_model(model)
-            loss, metrics = self.grpo_core_redirection(model, unwrapped, self._grpo_core_loss, unwrapped, inputs,
-                                                       num_items)
+            loss, kl, clip, phi = self.grpo_core_redirection(model, unwrapped, self._grpo_core_loss, unwrapped,
+                                                             inputs, num_items)
             if self.loss_type not in BY_NUM_ITEMS:  # their normalizer already holds the accumulation (as in TRL)
                 loss = loss / accumulation
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
             count = mask.sum().to(torch.float32)
-            # TRL's sequence-level clip ratio is a mean over the sequences (the loss's clip fraction, too)
             sequences = torch.tensor(float(mask.shape[0]), device=count.device)
-            weights = [count] * (self.beta != 0.0) + [sequences if self.importance_sampling_level == "sequence"
-                                                      else count]
+            logged = [("kl", kl, count)] if self.beta != 0.0 else []
             clip_key = CLIP_RATIO_KEYS.get(self.loss_type, "clip_ratio/region_mean")
-            keys = (["kl"] if self.beta != 0.0 else []) + ([] if clip_key is None else [clip_key])
-            for key, value, weight in zip(keys, metrics, weights):  # metrics: (kl, clip ratio) or (clip ratio,)
+            if clip_key is not None:  # TRL's sequence-level clip ratio is a mean over the sequences (the loss's too)
+                logged.append((clip_key, clip, sequences if self.importance_sampling_level == "sequence" else count))
+            if phi is not None:  # a mean over the sequences, as TRL's
+                logged.append(("vespo/phi_seq_mean", phi.mean(), sequences))
+            for key, value, weight in logged:
                 total, n = self.accelerator.reduce(torch.stack([value * weight, weight]), reduction="sum")
                 self._metrics[mode][key].append((total / n.clamp(min=1.0)).item())
             return loss
 
         def _grpo_core_loss(self, unwrapped, inputs, num_items):
-            """Backbone, then the fused linear loss on the completion positions (inside the wrapper's forward)."""
+            """Backbone, then the fused linear loss on the completion positions (inside the wrapper's forward):
+            `(loss, kl, clip ratio, vespo's phi or None)`."""
             if is_peft_model(unwrapped):
                 unwrapped = unwrapped.base_model.model
             completion_ids = inputs["completion_ids"]
@@ -252,13 +263,14 @@ def _grpo_core_trainer() -> type:
             if self.args.cast_lm_head_to_fp32:  # the matmul in fp32: the gradient flows back through the casts
                 hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-            applies = self.use_vllm and self.vllm_importance_sampling_correction  # as TRL (and vespo: refused)
-            is_ratio = inputs["importance_sampling_ratio"] if applies else None
-            return self.grpo_core_loss(hidden, weight, completion_ids, mask, inputs["advantages"],
-                                       bias=bias, ref_per_token_logps=inputs.get("ref_per_token_logps"),
-                                       old_per_token_logps=inputs.get("old_per_token_logps"),
-                                       vllm_is_ratio=is_ratio, num_items_in_batch=num_items,
-                                       sampling_per_token_logps=inputs.get("sampling_per_token_logps"))
+            applies = self.use_vllm and self.vllm_importance_sampling_correction  # as TRL (vespo: whenever given)
+            is_ratio = inputs.get("importance_sampling_ratio") if applies or self.loss_type == "vespo" else None
+            r = self.grpo_core_loss.result(hidden, weight, completion_ids, mask, inputs["advantages"],
+                                           bias=bias, ref_per_token_logps=inputs.get("ref_per_token_logps"),
+                                           old_per_token_logps=inputs.get("old_per_token_logps"),
+                                           vllm_is_ratio=is_ratio, num_items_in_batch=num_items,
+                                           sampling_per_token_logps=inputs.get("sampling_per_token_logps"))
+            return r.loss, r.kl_token_mean, r.clip_fraction, r.vespo_phi
 
     GRPOCoreTrainer.__module__, GRPOCoreTrainer.__qualname__ = __name__, "GRPOCoreTrainer"
     return GRPOCoreTrainer

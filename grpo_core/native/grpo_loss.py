@@ -18,7 +18,7 @@ import torch
 
 from .. import canonical
 from ..checks import (LossOptions, check_derived_advantages, check_inputs, check_logprobs, check_loss,
-                      check_sampling_logps, check_tensor, loss_options)
+                      check_option_inputs, check_tensor, loss_options)
 from ..contract import (AdvantageStd, AdvantagesInput, DeterminismScope, GRPOLossContract, LossContractError,
                         TokenNormalizer, inverse_temperature)
 from ..result import GRPOLossResult, provenance
@@ -44,7 +44,9 @@ class NativeGRPOLossOp:
                  delta: float | None = None, use_bias_correction_kl: bool = False,
                  importance_sampling_ratio: torch.Tensor | None = None, sapo_temperature_pos: float | None = None,
                  sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token",
-                 off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None
+                 off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None,
+                 vespo_k_pos: float | None = None, vespo_lambda_pos: float | None = None,
+                 vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
         'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
@@ -52,9 +54,10 @@ class NativeGRPOLossOp:
         `ref_logits` (pass `ref_logits=None`). TRL's `delta` (an upper clamp of the unclipped ratio) and
         `use_bias_correction_kl` (the KL term times the ratio); `importance_sampling_ratio` `[B, T]` or `[B, 1]`:
         the rollout engine's importance weights (TRL's `importance_sampling_ratio`, Liger's `vllm_is_ratio`),
-        multiplied into each token's surrogate term. `loss_type` 'cispo' and 'sapo' (with its temperatures)
-        change the per-token term (`contract.Surrogate`). `importance_sampling_level="sequence"` (GSPO): every token
-        reads its sequence's ratio, the exp of its mean log-ratio (`canonical.sequence_log_ratio`).
+        multiplied into each token's surrogate term. `loss_type` 'cispo', 'sapo' (with its temperatures) and 'vespo'
+        (with its gamma parameters `vespo_*`, TRL's; the importance sampling ratio enters its gamma weight,
+        `canonical.vespo_phi`) change the per-token term (`contract.Surrogate`). `importance_sampling_level="sequence"`
+        (GSPO): every token reads its sequence's ratio, the exp of its mean log-ratio (`canonical.sequence_log_ratio`).
         `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy sequence mask, TRL's): a sequence's policy terms are
         dropped where its advantage is negative and its mean of `sampling_logps - logp` (default `old_logps`) exceeds
         the threshold (`canonical.off_policy_weights`)."""
@@ -66,7 +69,9 @@ class NativeGRPOLossOp:
                          importance_sampling_ratio=importance_sampling_ratio,
                          sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                          importance_sampling_level=importance_sampling_level,
-                         off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps)
+                         off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps,
+                         vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                         vespo_lambda_neg=vespo_lambda_neg)
         return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {},
                                importance_sampling_ratio, sampling_logps))
 
@@ -98,7 +103,8 @@ class NativeGRPOLossOp:
         if tuple(policy_local_logits.shape) != expected:
             raise LossContractError(f"policy_local_logits: expected [num_sequences, padded_seq_len, vocab_size] = "
                                     f"{list(expected)} from the contract, got {list(policy_local_logits.shape)}")
-        check_sampling_logps(sampling_logps, contract.off_policy_mask_threshold)
+        check_option_inputs(sampling_logps, importance_sampling_ratio, contract.off_policy_mask_threshold,
+                            contract.surrogate, contract.padded_seq_len)
         mask = check_inputs(policy_local_logits, ref_local_logits, action_ids, old_logps, rewards, completion_mask,
                             beta=contract.beta, rewards_required=True, advantages=advantages, advantages_input=kind,
                             ref_logps=ref_logps, importance_sampling_ratio=importance_sampling_ratio,
@@ -128,9 +134,8 @@ class NativeGRPOLossOp:
                                                sequence=o.sequence_level)
         lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
         is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
-        if o.off_policy is not None:
-            is_ratio = canonical.off_policy_weights(logp, old_logps if sampling_logps is None else sampling_logps, adv,
-                                                    mask, o.off_policy, is_ratio)
+        is_ratio, phi = canonical.importance_weights(logp, old_logps, adv, mask, is_ratio, o.off_policy, sampling_logps,
+                                                     o.gamma)
         policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
                                                  o.taus, sigmoid=torch.sigmoid)
         per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
@@ -144,4 +149,5 @@ class NativeGRPOLossOp:
         return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
                               per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
                               per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
-                              kl_token_mean=kl_token_mean, provenance=provenance(self.backend, policy_logits, **extra))
+                              kl_token_mean=kl_token_mean, vespo_phi=phi,
+                              provenance=provenance(self.backend, policy_logits, **extra))

@@ -282,7 +282,8 @@ def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w_is
                  HAS_REF: tl.constexpr, HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr, SURROGATE: tl.constexpr,
                  GIVEN_RATIO: tl.constexpr):
     """`canonical.ratio_and_kl` and `canonical.clipped_surrogate` of one block of tokens (`delta`: +inf without
-    one, where `min` changes nothing; `w_is`: the importance weights, HAS_IS; SURROGATE: 0 clipped, 1 CISPO, 2 SAPO;
+    one, where `min` changes nothing; `w_is`: the importance weights, HAS_IS; SURROGATE: 0 clipped, 1 CISPO, 2 SAPO,
+    3 VESPO (its gamma weight in `w_is`);
     GIVEN_RATIO: the ratio is `given`, GSPO's sequence ratio)."""
     if GIVEN_RATIO:
         ratio = given
@@ -290,6 +291,8 @@ def _token_terms(logp, logp_ref, old, active, adv, clip_lo, clip_hi, delta, w_is
         ratio = exp(tl.where(active, logp - old, 0.0))
     if SURROGATE == 1:
         policy = -((_min(ratio, clip_hi) * adv) * logp)
+    elif SURROGATE == 3:
+        policy = -(adv * logp)
     elif SURROGATE == 2:
         tau = tl.where(adv > 0, tau_pos, tau_neg)
         policy = -(tl.math.div_rn(sigmoid(tau * (ratio - 1.0)) * 4.0, tau) * adv)
@@ -324,7 +327,7 @@ def _sequence_kernel(
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,  # the KL term times the ratio
-    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO, 3 VESPO
     GIVEN_RATIO: tl.constexpr,
     TOKEN_ADV: tl.constexpr,  # an advantage per token
     REWARDS: tl.constexpr,  # the advantages come from the rewards: flag a non-finite reward or advantage
@@ -502,7 +505,7 @@ def _grad_kernel(
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,
-    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO, 3 VESPO
     GIVEN_COEF: tl.constexpr,  # the coefficient is read from coef_ptr (weighted), not computed
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
@@ -526,6 +529,8 @@ def _grad_kernel(
             ratio = exp(logp - tl.load(old_ptr + row))
             if SURROGATE == 1:
                 coef = -(_min(ratio, clip_hi) * adv)
+            elif SURROGATE == 3:
+                coef = -adv
             elif SURROGATE == 2:
                 s = sigmoid(tl.where(adv > 0, tau_pos, tau_neg) * (ratio - 1.0))
                 coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)

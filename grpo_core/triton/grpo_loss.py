@@ -72,7 +72,7 @@ def _sequence_kernel(
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,  # the KL term times the ratio
-    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO (with tau_pos, tau_neg)
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO (with tau_pos, tau_neg), 3 VESPO
     GIVEN_RATIO: tl.constexpr,
     SUMS: tl.constexpr,
     CHECK_MASK: tl.constexpr,  # the mask is not bool: its values must be 0 or 1
@@ -130,6 +130,8 @@ def _sequence_kernel(
                 ratio = tl.exp(tl.where(active, logp - old, 0.0))
             if SURROGATE == 1:
                 policy = -((tl.minimum(ratio, hi) * a) * logp)
+            elif SURROGATE == 3:
+                policy = -(a * logp)
             elif SURROGATE == 2:
                 tau = tl.where(a > 0, tau_pos, tau_neg)
                 policy = -(((tl.sigmoid(tau * (ratio - 1.0)) * 4.0) / tau) * a)
@@ -242,18 +244,19 @@ _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, lo, hi, beta, inv,
              single_pass, means, denom, constant, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
-             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None, sequence=False, off_policy=None, sampling=None):
+             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None, sequence=False, weigh=None, sampling=None):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
     loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
     advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. `ref_logps` (fp32 `[B * T]`, in place of
     `ref`): the reference's log-probs as given; `delta` (+inf: none), `is_ratio` (fp32 `[B * T]`, 0.0 at masked
-    tokens, or None), `bias_kl`, `surrogate` (0 clipped, 1 CISPO, 2 SAPO) and its `tau_*` as in `canonical.token_coef`
-    (`lo`, `hi`: `canonical.bounds`). Two-pass mode launches the row kernel
-    first, so that the host work of the other launches overlaps it. `grad`: where the single pass writes the
-    gradient (default: a new tensor). `sequence` (GSPO, two-pass only): the sequence kernel reads each token's ratio
-    from `sequence_ratio`, returned in the place of `grad`. `off_policy` (the off-policy mask's threshold, two-pass
-    only; `sampling`: the sampler's fp32 `[B * T]` log-probs, default `old`): the advantages first, then the mask
-    folded into the importance weights (`canonical.off_policy_weights`), which are returned last."""
+    tokens, or None), `bias_kl`, `surrogate` (0 clipped, 1 CISPO, 2 SAPO, 3 VESPO) and its `tau_*` as in
+    `canonical.token_coef` (`lo`, `hi`: `canonical.bounds`). Two-pass mode launches the row kernel first, so that the
+    host work of the other launches overlaps it. `grad`: where the single pass writes the gradient (default: a new
+    tensor). `sequence` (GSPO, two-pass only): the sequence kernel reads each token's ratio from `sequence_ratio`,
+    returned in the place of `grad`. `weigh` (two-pass only): `(logp [B, T], adv, is_ratio [B, T] or None) ->
+    weights [B, T]`, the importance weights from whole sequences (the off-policy mask, vespo's gamma weight:
+    `canonical.importance_weights`), computed once the advantages and the log-probs are known and returned last;
+    `sampling` (the off-policy mask's fp32 `[B * T]` sampler log-probs): flagged where +-inf at an active token."""
     B, T, V = policy.shape
     dev = policy.device
     ids, mask = flat(ids), flat(mask)
@@ -282,18 +285,16 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
                                      DENOM=denom, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
 
-    if single_pass or off_policy is not None:  # the gradient coefficient or the mask needs the advantages first
+    if single_pass or weigh is not None:  # the gradient coefficient or the weights need the advantages first
         sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read
     out = rows_kernel()
     if sequence:
         grad = sequence_ratio(out[0], old, mask, B)
-    if off_policy is not None:
-        on, sampling = (mask != 0).view(B, T), (old if sampling is None else sampling).view(B, T)
-        is_ratio = canonical.off_policy_weights(out[0].view(B, T), sampling, adv, on, off_policy,
-                                                None if is_ratio is None else is_ratio.view(B, T)).view(-1)
+    if weigh is not None:
+        is_ratio = weigh(out[0].view(B, T), adv, None if is_ratio is None else is_ratio.view(B, T)).reshape(-1)
     sequences(out, True, grad if sequence else None)
-    if off_policy is not None:  # a +-inf sampling log-prob at an active token: flagged like the other inputs
-        flags[0] = torch.maximum(flags[0], (on & torch.isinf(sampling)).any().to(torch.int32))
+    if sampling is not None:  # a +-inf sampling log-prob at an active token: flagged like the other inputs
+        flags[0] = torch.maximum(flags[0], ((mask != 0) & torch.isinf(sampling)).any().to(torch.int32))
     return out, adv, weight, scalars, flags, grad, is_ratio
 
 
@@ -393,8 +394,8 @@ class TritonGRPOLossOp:
     gradient is known before the whole sequence is read: two-pass only (`single_pass` / `inplace` are refused). The
     sequence kernel reads the ratios (`sequence_ratio`, torch ops on `[B, T]` between the kernels), and the backward
     computes each token's coefficient (`canonical.sequence_coef` on `[B, T]`) before its second pass. The off-policy
-    mask (`off_policy_mask_threshold`) likewise: the advantages first, then the mask from the log-probs, folded into
-    the importance weights the sequence kernel and the backward read (`canonical.off_policy_weights`). Eager only.
+    mask (`off_policy_mask_threshold`) and vespo's gamma weight likewise: the advantages first, then the weights from
+    the log-probs, which the sequence kernel and the backward read (`canonical.importance_weights`). Eager only.
 
     `check_values`: a bad id, mask value, reward, given advantage or old log-prob, or a non-finite log-prob,
     raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
@@ -420,7 +421,9 @@ class TritonGRPOLossOp:
                  use_bias_correction_kl: bool = False, importance_sampling_ratio: torch.Tensor | None = None,
                  sapo_temperature_pos: float | None = None, sapo_temperature_neg: float | None = None,
                  importance_sampling_level: str = "token", off_policy_mask_threshold: float | None = None,
-                 sampling_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 sampling_logps: torch.Tensor | None = None, vespo_k_pos: float | None = None,
+                 vespo_lambda_pos: float | None = None, vespo_k_neg: float | None = None,
+                 vespo_lambda_neg: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
@@ -431,12 +434,15 @@ class TritonGRPOLossOp:
                          importance_sampling_ratio=importance_sampling_ratio,
                          sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                          importance_sampling_level=importance_sampling_level,
-                         off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps)
-        whole_sequence = o.sequence_level or o.off_policy is not None  # eager, two-pass
+                         off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps,
+                         vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                         vespo_lambda_neg=vespo_lambda_neg)
+        whole_sequence = o.sequence_level or o.off_policy is not None or o.gamma is not None  # eager, two-pass
         if whole_sequence and (single_pass or inplace):
-            raise LossContractError("single_pass / inplace: expected False with importance_sampling_level='sequence' "
-                                    "or off_policy_mask_threshold (each token's gradient needs its sequence's ratio "
-                                    "or mask, known only once every token of the sequence has been read)")
+            raise LossContractError("single_pass / inplace: expected False with importance_sampling_level='sequence', "
+                                    "off_policy_mask_threshold or loss_type='vespo' (each token's gradient needs its "
+                                    "sequence's ratio, mask or gamma weight, known only once every token of the "
+                                    "sequence has been read)")
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
@@ -463,10 +469,15 @@ class TritonGRPOLossOp:
             out, adv, weight, scalars, flags, grad, _ = _forward(lambda k: k, x, *args, grad=x)
         elif torch.compiler.is_compiling() and not whole_sequence:
             out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
-        else:  # GSPO: `grad` holds the tokens' sequence ratios; the off-policy mask: in the importance weights
+        else:  # GSPO: `grad` holds the tokens' sequence ratios; the off-policy mask, vespo: the importance weights
+            sampling = None if sampling_logps is None else flat(sampling_logps.detach().float())
+
+            def weigh(logp, adv, is_ratio):
+                return canonical.importance_weights(logp, old.view(B, T), adv, o.mask, is_ratio, o.off_policy,
+                                                    None if sampling is None else sampling.view(B, T), o.gamma)[0]
             out, adv, weight, scalars, flags, grad, is_ratio = _forward(
-                lambda k: k, x, *args, sequence=o.sequence_level, off_policy=o.off_policy,
-                sampling=None if sampling_logps is None else flat(sampling_logps.detach().float()))
+                lambda k: k, x, *args, sequence=o.sequence_level, sampling=sampling,
+                weigh=weigh if o.off_policy is not None or o.gamma is not None else None)
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
                            out[1].view(B, T) if has_ref else None, advantages,

@@ -7,7 +7,7 @@ import triton
 
 from ..contract import Surrogate, TokenNormalizer
 
-SURROGATES = {Surrogate.CLIPPED: 0, Surrogate.CISPO: 1, Surrogate.SAPO: 2}  # the kernels' SURROGATE constexpr
+SURROGATES = {Surrogate.CLIPPED: 0, Surrogate.CISPO: 1, Surrogate.SAPO: 2, Surrogate.VESPO: 3}  # SURROGATE constexpr
 
 
 def twins(fn, names: list[str]) -> tuple:

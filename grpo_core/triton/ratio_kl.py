@@ -115,10 +115,13 @@ def _token_coef(logp, logp_ref, old, adv, weight, lo, hi, beta, delta, w_is, tau
                 HAS_REF: tl.constexpr, HAS_IS: tl.constexpr, BIAS_KL: tl.constexpr, SURROGATE: tl.constexpr):
     """d loss / d logp of one token: `weight * (d policy / d logp + beta * d kl / d logp)`, the terms of
     `canonical.token_coef` (`lo`, `hi`: `canonical.bounds`; `delta` +inf: none; `w_is`: the importance weight,
-    HAS_IS; BIAS_KL: the KL times the ratio; SURROGATE 0 clipped, 1 CISPO, 2 SAPO with `tau_pos`, `tau_neg`)."""
+    HAS_IS; BIAS_KL: the KL times the ratio; SURROGATE 0 clipped, 1 CISPO, 2 SAPO with `tau_pos`, `tau_neg`, 3 VESPO,
+    its gamma weight in `w_is`)."""
     ratio = tl.exp(logp - old)
     if SURROGATE == 1:
         coef = -(tl.minimum(ratio, hi) * adv)
+    elif SURROGATE == 3:
+        coef = -adv
     elif SURROGATE == 2:
         s = tl.sigmoid(tl.where(adv > 0, tau_pos, tau_neg) * (ratio - 1.0))
         coef = -((((s * (1.0 - s)) * 4.0) * ratio) * adv)
@@ -218,7 +221,7 @@ def _logprob_fwd_kernel(
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,
-    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO, 3 VESPO
     REF_ROWS: tl.constexpr,  # HAS_REF: the reference log-probs from its logits' rows, else as given in `r_ptr`
     SINGLE_PASS: tl.constexpr,
     TOKEN_ADV: tl.constexpr,
@@ -281,7 +284,7 @@ def _logprob_grad_kernel(
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     BIAS_KL: tl.constexpr,
-    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO
+    SURROGATE: tl.constexpr,  # 0 clipped, 1 CISPO, 2 SAPO, 3 VESPO
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     VEC: tl.constexpr,  # elements per 16 bytes of the logits and the gradient
