@@ -12,8 +12,8 @@ shard's tile statistics, the merge of all ranks' statistics, the token sums, its
 without the all_gather of the statistics (`[tokens, vocab / tile]` floats). `deterministic_torch` is the torch
 reference of the same bits. Backends named `*_ref_logps` take the reference as given log-probs (`ref_logps`,
 computed before the timing) instead of its logits: their floors count one logits tensor, not two (forward aE/BW,
-forward+backward (a+1)E/BW, two-pass (2a+1)E/BW). `*_gspo`: GSPO's `importance_sampling_level="sequence"` (the
-fast op two-pass only).
+forward+backward (a+1)E/BW, two-pass (2a+1)E/BW). `*_gspo`: GSPO's `importance_sampling_level="sequence"`;
+`*_vespo`: `loss_type="vespo"` (both: the fast op two-pass only).
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ from grpo_core.triton.ratio_kl import BLOCK_V, NUM_STAGES, NUM_WARPS, token_logp
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def deterministic(spp: int, kernels_name: str, level: str = "token"):
+def deterministic(spp: int, kernels_name: str, level: str = "token", loss_type: str | None = None):
     op = DistributedGRPOLossOp(kernels=kernels_name)
 
     def run(inp):
         B, T, V = inp["policy_logits"].shape
         c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, samples_per_prompt=spp, beta=0.04,
-                             determinism_scope="topology_invariant", importance_sampling_level=level)
+                             determinism_scope="topology_invariant", importance_sampling_level=level,
+                             loss_type=loss_type)
         return op.apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"], contract=c,
                         completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"],
                         ref_logps=inp.get("ref_logps")).loss
@@ -94,6 +95,8 @@ def backends(spp: int, skip: set[str]) -> dict:
                                                         importance_sampling_level="sequence")[0]
     out["deterministic"] = deterministic(spp, "triton")
     out["deterministic_gspo"] = deterministic(spp, "triton", "sequence")
+    out["triton_two_pass_vespo"] = lambda inp: triton_op(**inp, samples_per_prompt=spp, loss_type="vespo")[0]
+    out["deterministic_vespo"] = deterministic(spp, "triton", loss_type="vespo")
     out["deterministic_ref_logps"] = deterministic(spp, "triton")
     out["deterministic_tp2"] = one_tp_rank(spp, 2)
     out["deterministic_tp4"] = one_tp_rank(spp, 4)

@@ -633,8 +633,8 @@ def test_masked_advantages_may_hold_anything():
     (dict(temperature=1e-39), r"^temperature: expected a finite float > 0 whose reciprocal .* got 1e-39"),
     (dict(temperature=1e38), r"^temperature: expected a finite float > 0 whose reciprocal .* got 1e\+38"),
     (dict(temperature="0.9"), r"^temperature: expected a float, got str"),
-    (dict(loss_type="vespo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', "
-                              r"'luspo', got 'vespo' \(TRL's 'vespo' is not computed\)"),
+    (dict(loss_type="gspo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', "
+                             r"'luspo', 'vespo', got 'gspo'$"),
     (dict(loss_type="GRPO"), r"^loss_type: expected one of"),
     (dict(loss_type="grpo", normalizer="global_active_tokens"),
      r"^loss_type / normalizer: loss_type='grpo' is normalizer='per_sequence_then_batch_mean', but "
@@ -734,7 +734,7 @@ def test_triton_checks_option_values_with_the_native_words():
     inp = make_inputs(4, 3, 11, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
     triton = kernel_registry.get_op("grpo_loss", backend="triton")
     for bad, match in ((dict(temperature=0.0), r"^temperature: expected a finite float > 0"),
-                       (dict(loss_type="vespo"), r"^loss_type: expected one of"),
+                       (dict(loss_type="gspo"), r"^loss_type: expected one of"),
                        (dict(max_completion_length=8), r"^max_completion_length: only used with loss_type='dr_grpo'"),
                        (dict(loss_type="grpo", normalizer="fixed_constant"), r"^loss_type / normalizer: "),
                        (dict(advantage_std="trl"), r"^advantage_std: expected one of")):

@@ -196,8 +196,8 @@ def test_fingerprint_sees_the_normalizer_constant_to_the_last_bit():
     (dict(temperature=2.0 ** 127), r"^temperature: expected a finite float > 0 whose reciprocal"),  # 1/t subnormal
     (dict(temperature=True), r"^temperature: expected a float, got bool"),
     (dict(advantages_input="logits"), r"^advantages_input: expected one of 'rewards', 'sequence', 'token'"),
-    (dict(loss_type="vespo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', "
-                              r"'luspo', got 'vespo'"),
+    (dict(loss_type="gspo"), r"^loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', "
+                             r"'luspo', 'vespo', got 'gspo'"),
     (dict(loss_type="dr_grpo", normalizer="fixed_constant", normalizer_constant=64.0),
      r"^loss_type / normalizer: loss_type='dr_grpo' is normalizer='sequences_times_max_length'"),
     (dict(loss_type="grpo", max_completion_length=32), r"^max_completion_length: only used with loss_type='dr_grpo'"),
