@@ -330,14 +330,14 @@ def _clamped_log(x: torch.Tensor) -> torch.Tensor:
 
 
 def vespo_phi(logp: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              is_ratio: torch.Tensor | None, gamma: tuple[float, float, float, float]) -> torch.Tensor:
+              is_ratio: torch.Tensor | None, gamma: tuple[float, float, float, float], exp=exp) -> torch.Tensor:
     """VESPO's gamma weight (TRL's `get_gamma_weights`), detached, fp32 `[S, 1]` (advantages per sequence) or `[S, T]`
     (per token): each sequence's `log w = clamp(pair_sum(masked(clamp(logp - old, -20, 20) + clamp(log(is_ratio),
     VESPO_LOG_W))), VESPO_LOG_W)` over its active tokens (the rollout's importance weights `is_ratio`, `given_logprobs`,
     enter in log space; TRL sums the two terms apart), `w = exp(log w)`, and `phi = exp((lam + k * log w) - lam * w)`,
     `(k, lam)` = `gamma`'s `(k_pos, max(lambda_pos, 1e-4))` where `A >= 0`, else `(k_neg, max(lambda_neg, 1e-4))`,
     each rounded once to fp32. 0.0 where phi overflows (TRL's `nan_to_num`). The canonical exp and log: the same bits
-    on every backend."""
+    on every backend (`exp`: the Triton kernels pass their one-launch twin, `exp_of`)."""
     lo, hi = VESPO_LOG_W
     log_r = torch.where(mask, (logp.detach() - old_logps.to(F32)).clamp(-20.0, 20.0), 0.0)
     if is_ratio is not None:
@@ -355,7 +355,7 @@ def vespo_phi(logp: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
 def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                        is_ratio: torch.Tensor | None, threshold: float | None = None,
                        sampling_logps: torch.Tensor | None = None,
-                       gamma: tuple[float, float, float, float] | None = None
+                       gamma: tuple[float, float, float, float] | None = None, exp=exp
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """`(weights, phi)`: what each token's policy term is multiplied by, fp32 `[S, T]` (None: nothing), and VESPO's
     gamma weight as reported (`[S]`, or `[S, T]` with advantages per token, 0.0 on masked tokens; None without
@@ -364,7 +364,7 @@ def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: 
     from `sampling_logps`, default `old_logps`)."""
     phi = None
     if gamma is not None:
-        phi = vespo_phi(logp, old_logps, advantages, mask, is_ratio, gamma)
+        phi = vespo_phi(logp, old_logps, advantages, mask, is_ratio, gamma, exp)
         is_ratio = torch.where(mask, phi, 0.0)
         phi = phi.squeeze(-1) if advantages.dim() == 1 else is_ratio
     if threshold is not None:

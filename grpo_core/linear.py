@@ -88,7 +88,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class TorchKernels:
     """The portable reference: IEEE `*` and `+` in fixed trees (see the module docstring)."""
 
-    name, chunk = "torch", TORCH_CHUNK
+    name, chunk, exp = "torch", TORCH_CHUNK, staticmethod(canonical.exp)
 
     def logits(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         z = _dot(h, w)
@@ -130,7 +130,7 @@ class TritonKernels:
 
     def __init__(self) -> None:
         from .triton import canonical as rows, matmul
-        self.rows, self.mm = rows, matmul.matmul
+        self.rows, self.mm, self.exp = rows, matmul.matmul, rows.exp_of
 
     def logits(self, h, w, b):  # rows padded to 8 columns: 16-byte aligned, the row kernel's aligned loads
         V = w.shape[0]
@@ -497,7 +497,7 @@ class LinearGRPOLossOp:
                                                sequence=sequence)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
         is_ratio, phi = canonical.importance_weights(logp, old, adv, mask, is_ratio, contract.off_policy_mask_threshold,
-                                                     sampling_logps, gamma)
+                                                     sampling_logps, gamma, k.exp)
         sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta,
                                                                         is_ratio, contract.surrogate, logp, taus)),
                             self._token_sum(kl_tok), local_ratio])

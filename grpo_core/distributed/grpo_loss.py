@@ -257,13 +257,14 @@ class _Call:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
 
-    def weights(self, logp: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def weights(self, logp: torch.Tensor, adv: torch.Tensor, exp: Callable[[torch.Tensor], torch.Tensor]
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`(weights, phi)`: the importance weights the token terms read (`is_ratio`, or vespo's gamma weight, with the
         off-policy mask folded in when the contract sets its threshold) and vespo's phi of this rank's sequences
         (`canonical.importance_weights`, from this rank's whole sequences)."""
         o = self.contract
         return canonical.importance_weights(logp, self.old, adv, self.mask, self.is_ratio,
-                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma)
+                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp)
 
 
 class _TorchKernels:
@@ -308,7 +309,7 @@ class _TorchKernels:
                                                sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        w_is, phi = c.weights(logp, adv)
+        w_is, phi = c.weights(logp, adv, canonical.exp)
         policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
                                              o.sapo_temperatures)
         sums = torch.stack([self.token_sum(policy),
@@ -391,7 +392,7 @@ class _TritonKernels:
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
             ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
-        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask))
+        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask), kernels.exp_of)
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, ratio)

@@ -42,6 +42,7 @@ from ..checks import loss_options
 from ..contract import FP32_MAX, AdvantageStd, LossContractError, Surrogate, TokenNormalizer, inverse_temperature
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
+from .canonical import exp_of
 from .launch import SURROGATES, finish_options, pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
@@ -474,7 +475,8 @@ class TritonGRPOLossOp:
 
             def weigh(logp, adv, is_ratio):
                 return canonical.importance_weights(logp, old.view(B, T), adv, o.mask, is_ratio, o.off_policy,
-                                                    None if sampling is None else sampling.view(B, T), o.gamma)[0]
+                                                    None if sampling is None else sampling.view(B, T), o.gamma,
+                                                    exp_of)[0]
             out, adv, weight, scalars, flags, grad, is_ratio = _forward(
                 lambda k: k, x, *args, sequence=o.sequence_level, sampling=sampling,
                 weigh=weigh if o.off_policy is not None or o.gamma is not None else None)
