@@ -40,9 +40,9 @@ from .. import canonical, pending
 from ..canonical import STD_EPS, STD_FLOOR
 from ..checks import loss_options
 from ..contract import FP32_MAX, AdvantageStd, LossContractError, Surrogate, TokenNormalizer, inverse_temperature
+from .canonical import exp_of
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
-from .canonical import exp_of
 from .launch import SURROGATES, finish_options, pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
