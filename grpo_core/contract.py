@@ -141,10 +141,20 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
     return value
 
 
+def _float(name: str, value: int | float) -> float:
+    """`float(value)`, or the contract's error for an int too large for a float (`float(10**400)` raises
+    OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise LossContractError(f"{name}: expected a finite float, got an int of {value.bit_length()} bits, which "
+                                f"overflows a float") from None
+
+
 def check_float(name: str, value: Any, *, minimum: float, maximum: float = math.inf, open_max: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LossContractError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
-    value = float(value)
+    value = _float(name, value)
     if not math.isfinite(value) or value < minimum or value > maximum or (open_max and value == maximum):
         lower = "" if minimum == -math.inf else f" >= {minimum}"
         upper = "" if maximum == math.inf else f" and < {maximum}" if open_max else f" and <= {maximum}"
@@ -178,7 +188,7 @@ def check_delta(value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LossContractError(f"delta: expected a float or None, got {type(value).__name__} {value!r}")
-    if not FP32_TINY <= to_fp32(float(value)) <= FP32_MAX:  # NaN fails too
+    if not FP32_TINY <= to_fp32(_float("delta", value)) <= FP32_MAX:  # NaN fails too
         raise LossContractError(f"delta: expected a float > 0 that is a finite normal float32 (about 1.18e-38 to "
                                 f"3.40e+38; the unclipped ratio is clamped at it), got {value!r}")
     return float(value)
@@ -189,7 +199,7 @@ def check_temperature(value: Any) -> float:
     (the logits are multiplied by it): about 2.94e-39 to 8.51e37. Returns the Python float, unrounded."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LossContractError(f"temperature: expected a float, got {type(value).__name__} {value!r}")
-    t = float(value)
+    t = _float("temperature", value)
     if math.isfinite(t) and not math.isfinite(to_fp32(t)):
         raise LossContractError(f"temperature: expected a float that is finite in float32 (at most {FP32_MAX!r}), "
                                 f"got {value!r}, which overflows to inf in float32")
@@ -689,7 +699,7 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
             continue
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                FP32_TINY <= to_fp32(float(value)) <= FP32_MAX):
+                FP32_TINY <= to_fp32(_float(name, value)) <= FP32_MAX):
             raise LossContractError(f"{name}: expected a float > 0 that is a finite normal float32, got {value!r}")
         taus.append(float(value))
     gamma = {}
@@ -712,7 +722,7 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
     threshold = off_policy_mask_threshold
     if threshold is not None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(
-                to_fp32(float(threshold))):
+                to_fp32(_float("off_policy_mask_threshold", threshold))):
             raise LossContractError(f"off_policy_mask_threshold: expected None or a float that is finite in float32 "
                                     f"(a sequence's mean log-ratio of the sampler to the policy), got {threshold!r}")
         threshold = float(threshold)

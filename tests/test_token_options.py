@@ -249,15 +249,18 @@ def _call(backend: str, is_ratio=None, **options):
 BACKENDS = ["native", "triton", "distributed/torch", "distributed/triton", "linear"]
 
 
+@pytest.mark.parametrize("options", [{}, dict(loss_type="vespo"), dict(off_policy_mask_threshold=-1.0)],
+                         ids=["plain", "vespo", "off_policy"])  # the last two: the kernels read computed weights
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_importance_weights_raise_everywhere(backend, value):
+def test_bad_importance_weights_raise_everywhere(backend, value, options):
     w = importance_weights("token")
-    b, t = INPUTS["completion_mask"].nonzero()[3].tolist()
+    b = int((ADV < 0).nonzero()[0])  # the off-policy mask's threshold -1.0 drops this sequence: checked anyway
+    t = int(INPUTS["completion_mask"][b].nonzero()[-1])
     w[b, t] = value
     with pytest.raises(LossContractError, match=rf"importance_sampling_ratio: expected finite values >= 0 at active "
                                                 rf"tokens, got others at \(b, t\) \[\({b}, {t}\)\]"):
-        _call(backend, w)
+        _call(backend, w, **options)
 
 
 @pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton"])
@@ -311,6 +314,10 @@ def test_malformed_importance_weights_raise_everywhere(backend, is_ratio, match)
     (dict(loss_type="vespo", vespo_k_neg=float("nan")), "vespo_k_neg: expected a finite float, got nan"),
     (dict(loss_type="vespo", vespo_k_pos=1e39), "vespo_k_pos: expected a float that is finite in float32"),
     (dict(loss_type="vespo", delta=2.0), "delta: only used with the clipped surrogate"),
+    (dict(loss_type="vespo", vespo_lambda_neg=10**400), "vespo_lambda_neg: expected a finite float, got an int of 1329 "
+                                                        "bits"),
+    (dict(delta=10**400), "delta: expected a finite float, got an int of 1329 bits"),
+    (dict(off_policy_mask_threshold=-10**400), "off_policy_mask_threshold: expected a finite float, got an int"),
     (dict(importance_sampling_level="segment"), "importance_sampling_level: expected one of 'token', 'sequence', "
                                                 "got 'segment'"),
     (dict(off_policy_mask_threshold=float("nan")), "off_policy_mask_threshold: expected None or a float that is "

@@ -22,6 +22,7 @@ synchronize.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -398,6 +399,8 @@ class _TritonKernels:
                                            o.surrogate, o.sapo_temperatures, ratio)
         if c.sampling is not None:  # a +-inf sampler log-prob at an active token: the sequence's bad-value flag
             ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
+        if c.is_ratio is not None and w_is is not c.is_ratio:  # the kernels read the computed weights: the given
+            ints[1] |= (c.mask & ~((c.is_ratio >= 0.0) & (c.is_ratio < math.inf))).any(-1)  # ones are flagged here
         return logp[0], logp_ref, sums, ints, phi, (lse[0], adv, ratio, w_is)
 
     @staticmethod

@@ -28,6 +28,7 @@ a device-side assert (`"assert"`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -291,11 +292,18 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
     out = rows_kernel()
     if sequence:
         grad = sequence_ratio(out[0], old, mask, B)
+    given_is = is_ratio
     if weigh is not None:
         is_ratio = weigh(out[0].view(B, T), adv, None if is_ratio is None else is_ratio.view(B, T)).reshape(-1)
     sequences(out, True, grad if sequence else None)
-    if sampling is not None:  # a +-inf sampling log-prob at an active token: flagged like the other inputs
-        flags[0] = torch.maximum(flags[0], ((mask != 0) & torch.isinf(sampling)).any().to(torch.int32))
+    # flagged like the other inputs: a +-inf sampling log-prob at an active token, and a bad given importance weight
+    # where the kernel reads the computed weights instead
+    bad = [] if sampling is None else [torch.isinf(sampling)]
+    if weigh is not None and given_is is not None:
+        bad.append(~((given_is >= 0.0) & (given_is < math.inf)))
+    if bad:
+        bad = functools.reduce(torch.logical_or, bad)
+        flags[0] = torch.maximum(flags[0], ((mask != 0) & bad).any().to(torch.int32))
     return out, adv, weight, scalars, flags, grad, is_ratio
 
 
