@@ -11,7 +11,7 @@ canonical tile statistics and log-sum-exp of `vocab_parallel_logprob.py` (gather
 when a gradient is wanted, `dz = coef * (onehot - softmax)` (`canonical.token_coef`, the advantages and the
 normalizer's token weights being known before the pass), cast to the weight's dtype, then `dH = dz W` and
 `dW += dz^T h` (and the bias' column sums). Three matmuls per token, nothing recomputed (GSPO's
-`importance_sampling_level="sequence"` and the off-policy mask: four, the logits computed twice, since a token's
+`importance_sampling_level="sequence"`, the off-policy mask and vespo: four, the logits computed twice, since a token's
 coefficient needs every log-prob of its sequence; the first pass computes only the log-probs); the gradients are ready
 when the forward returns and are scaled by `grad_output` in the backward (exact when it is 1.0, as after
 `loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in fp32 until then).
