@@ -162,31 +162,53 @@ def pair_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x[..., 0]
 
 
-def tile_stats(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_stats(x: torch.Tensor, width: int, entropy: bool = False) -> tuple[torch.Tensor, ...]:
     """Per-tile `(max, sum exp(x - max))` of fp32 rows `[n, cols]` cut into tiles of `width` (a power of two)
-    from column 0: `[n, tiles]` each. Columns past the end count as -inf. A tile of -inf has `(-inf, 0)`."""
+    from column 0: `[n, tiles]` each. Columns past the end count as -inf. A tile of -inf has `(-inf, 0)`.
+    `entropy`: also each tile's `pair_sum(e * (x - max))` with `e = exp(x - max)` (0.0 where `e` is 0), for
+    `entropy_of` (a tile of -inf: 0)."""
     n, cols = x.shape
     tiles = -(-cols // width)
     x = F.pad(x, (0, tiles * width - cols), value=float("-inf")).view(n, tiles, width)
     m = x.amax(-1) + 0.0  # max is exact in any order; + 0.0 makes a -0.0 maximum +0.0
     shift = torch.where(m == float("-inf"), 0.0, m)
-    return m, pair_sum(exp(x - shift.unsqueeze(-1)))
+    d = x - shift.unsqueeze(-1)
+    e = exp(d)
+    if not entropy:
+        return m, pair_sum(e)
+    return m, pair_sum(e), pair_sum(torch.where(e > 0, e * d, 0.0))
 
 
-def merge_stats(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_stats(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Merges `(max, sumexp)` pairs `[..., tiles]` in tile order by a fixed tree of adjacent pairs, on the extent
-    padded to a power of two with the identity `(-inf, 0)`: `(M, S)` with `sum exp = S * exp(M)`."""
+    padded to a power of two with the identity `(-inf, 0)`: `(M, S)` with `sum exp = S * exp(M)`. With `u`
+    (`tile_stats(..., entropy=True)`'s third): also `U = sum exp(z - M) * (z - M)`, each pair's
+    `(u + s * (m - M)) * exp(m - M)` (0 for an empty side) added: `(M, S, U)`."""
     n = m.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
         m = F.pad(m, (0, width - n), value=float("-inf"))
         s = F.pad(s, (0, width - n))
+        u = None if u is None else F.pad(u, (0, width - n))
     while m.shape[-1] > 1:
         m1, m2, s1, s2 = m[..., 0::2], m[..., 1::2], s[..., 0::2], s[..., 1::2]
         m = torch.maximum(m1, m2)
         shift = torch.where(m == float("-inf"), 0.0, m)
-        s = s1 * exp(m1 - shift) + s2 * exp(m2 - shift)
-    return m[..., 0], s[..., 0]
+        d1, d2 = m1 - shift, m2 - shift
+        e1, e2 = exp(d1), exp(d2)
+        if u is not None:
+            u1, u2 = u[..., 0::2], u[..., 1::2]
+            u = (torch.where(s1 > 0, (u1 + s1 * d1) * e1, 0.0) + torch.where(s2 > 0, (u2 + s2 * d2) * e2, 0.0))
+        s = s1 * e1 + s2 * e2
+    return (m[..., 0], s[..., 0]) if u is None else (m[..., 0], s[..., 0], u[..., 0])
+
+
+def entropy_of(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The entropy `-sum p log p` of each row from merged `(M, S, U)`: `log(S) - U / S` (both terms >= 0: no
+    cancellation); NaN where `lse` is."""
+    finite = torch.isfinite(m) & (s >= 1.0)
+    s = torch.where(finite, s, 1.0)
+    return torch.where(finite, log(s) - u / s, float("nan"))
 
 
 def lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -355,13 +377,13 @@ def vespo_phi(logp: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
 def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                        is_ratio: torch.Tensor | None, threshold: float | None = None,
                        sampling_logps: torch.Tensor | None = None,
-                       gamma: tuple[float, float, float, float] | None = None, exp=exp
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       gamma: tuple[float, float, float, float] | None = None, exp=exp,
+                       keep: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """`(weights, phi)`: what each token's policy term is multiplied by, fp32 `[S, T]` (None: nothing), and VESPO's
     gamma weight as reported (`[S]`, or `[S, T]` with advantages per token, 0.0 on masked tokens; None without
     `gamma`). The weights are the rollout's importance weights `is_ratio` (`given_logprobs`); with `gamma` (vespo) its
     `vespo_phi` in their place (they enter phi); with `threshold` the off-policy mask folded in (`off_policy_weights`,
-    from `sampling_logps`, default `old_logps`)."""
+    from `sampling_logps`, default `old_logps`); with `keep` (bool `[S, T]`, `entropy_keep`) 0.0 where it is False."""
     phi = None
     if gamma is not None:
         phi = vespo_phi(logp, old_logps, advantages, mask, is_ratio, gamma, exp)
@@ -370,7 +392,44 @@ def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: 
     if threshold is not None:
         is_ratio = off_policy_weights(logp, old_logps if sampling_logps is None else sampling_logps, advantages, mask,
                                       threshold, is_ratio)
+    if keep is not None:
+        is_ratio = torch.where(keep, 1.0 if is_ratio is None else is_ratio, 0.0)
     return is_ratio, phi
+
+
+def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, top: float) -> torch.Tensor:
+    """TRL's `get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)`, bool `[S, T]`: the active tokens whose
+    entropy is >= the `1 - top` quantile of the batch's active entropies (all of them with `top = 1`; none without an
+    active token). The quantile is `torch.quantile`'s linear interpolation between the sorted values `v` (`n` of
+    them), in fp32 ops without a fused multiply-add: `r = fp32(1 - top) * fp32(n - 1)`, `i = floor(r)`, `w = r - i`,
+    `a, b = v[i], v[min(i + 1, n - 1)]`, then `a + w * (b - a)` if `w < 0.5` else `b - (b - a) * (1 - w)`."""
+    if top == 1.0:
+        return mask
+    v = entropy[mask].sort().values
+    n = v.numel()
+    if n == 0:
+        return torch.zeros_like(mask)
+    r = fp32(1.0 - top, v) * fp32(float(n - 1), v)
+    i = r.floor()
+    a, b = v[i.long()], v[(i.long() + 1).clamp(max=n - 1)]
+    w = r - i
+    threshold = torch.where(w < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+    return mask & (entropy >= threshold)
+
+
+def token_mean(per_sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`pair_sum(per_sequence) / fp32(max(sum(counts), 1))`: a per-token mean from per-sequence sums (the logged
+    entropy, TRL's `entropy`)."""
+    return pair_sum(per_sequence) / _count(counts.sum())
+
+
+def entropy_bonus(per_sequence: torch.Tensor, kept: torch.Tensor, coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's entropy bonus `coef * sum(H * kept) / max(sum(kept), 1)` from the per-sequence sums of the kept tokens'
+    entropies `[S]` and their counts (int `[S]`): `(fp32(coef) * (pair_sum(per_sequence) / fp32(N)), fp32(coef) /
+    fp32(N))`, the bonus (subtracted from the loss) and each kept token's weight in it (`-d loss / d H`)."""
+    n = _count(kept.sum())
+    c = fp32(coef, n)
+    return c * (pair_sum(per_sequence) / n), c / n
 
 
 def ratio_and_kl(logp: torch.Tensor, logp_ref: torch.Tensor | None, old_logps: torch.Tensor, mask: torch.Tensor,

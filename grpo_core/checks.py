@@ -327,6 +327,9 @@ class LossOptions:
     level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN  # the token's own ratio, or its sequence's (GSPO)
     off_policy: float | None = None  # the off-policy mask's threshold (None: off)
     gamma: tuple[float, float, float, float] | None = None  # vespo's (k_pos, lambda_pos, k_neg, lambda_neg)
+    entropy: bool = False  # the token entropies are computed (the two below read them)
+    entropy_coef: float = 0.0  # TRL's entropy bonus coefficient
+    top_entropy: float = 1.0  # TRL's top_entropy_quantile
 
     @property
     def sequence_level(self) -> bool:
@@ -342,7 +345,8 @@ class LossOptions:
                    contract.advantage_std, contract.normalizer, contract.normalizer_value, contract.temperature,
                    contract.advantages_input, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
                    contract.sapo_temperatures, contract.importance_sampling_level,
-                   contract.off_policy_mask_threshold, contract.vespo_gamma)
+                   contract.off_policy_mask_threshold, contract.vespo_gamma, contract.entropy,
+                   contract.entropy_coef, contract.top_entropy_quantile)
 
 
 def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
@@ -352,7 +356,8 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                  use_bias_correction_kl: Any = False, importance_sampling_ratio: Any = None,
                  sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
                  importance_sampling_level: Any = "token", off_policy_mask_threshold: Any = None,
-                 sampling_logps: Any = None, **vespo: Any) -> LossOptions:
+                 sampling_logps: Any = None, entropy_coef: Any = 0.0, top_entropy_quantile: Any = 1.0,
+                 **vespo: Any) -> LossOptions:
     """Validates the keyword options and the tensors of the plain-call API (shared by every backend); `vespo`:
     `contract.VESPO_GAMMA`'s names."""
     o = check_options(clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
@@ -361,7 +366,8 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                       rewards_input=advantages is None, delta=delta, use_bias_correction_kl=use_bias_correction_kl,
                       sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                       importance_sampling_level=importance_sampling_level,
-                      off_policy_mask_threshold=off_policy_mask_threshold, **vespo)
+                      off_policy_mask_threshold=off_policy_mask_threshold, entropy_coef=entropy_coef,
+                      top_entropy_quantile=top_entropy_quantile, **vespo)
     surrogate = surrogate_of(loss_type)
     if isinstance(policy_logits, torch.Tensor) and policy_logits.dim() == 3:
         check_option_inputs(sampling_logps, importance_sampling_ratio, o["off_policy_mask_threshold"], surrogate,
@@ -386,4 +392,5 @@ def loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, comp
                        None if o["sapo_temperature_pos"] is None else (o["sapo_temperature_pos"],
                                                                        o["sapo_temperature_neg"]),
                        o["importance_sampling_level"], o["off_policy_mask_threshold"],
-                       None if o["vespo_k_pos"] is None else tuple(o[name] for name in VESPO_GAMMA))
+                       None if o["vespo_k_pos"] is None else tuple(o[name] for name in VESPO_GAMMA), o["entropy"],
+                       o["entropy_coef"], o["top_entropy_quantile"])

@@ -376,6 +376,9 @@ class GRPOLossContract:
     vespo_lambda_neg: float | None = None  # loss_type 'vespo' only (None: 2.0); the rate where A < 0
     importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask (None: off)
+    entropy: bool = False  # the result carries the policy's token entropies (True whenever the two below use them)
+    entropy_coef: float = 0.0  # TRL's entropy bonus: loss - entropy_coef * mean entropy of the kept active tokens
+    top_entropy_quantile: float = 1.0  # TRL's: policy terms kept on the tokens of this top fraction of entropies
     sharding: ShardingSpec | None = None  # None: a single process
     determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
     vocab_tile: int = DEFAULT_VOCAB_TILE
@@ -397,7 +400,8 @@ class GRPOLossContract:
                                 sapo_temperature_neg=self.sapo_temperature_neg,
                                 **{name: getattr(self, name) for name in VESPO_GAMMA},
                                 importance_sampling_level=self.importance_sampling_level,
-                                off_policy_mask_threshold=self.off_policy_mask_threshold)
+                                off_policy_mask_threshold=self.off_policy_mask_threshold, entropy=self.entropy,
+                                entropy_coef=self.entropy_coef, top_entropy_quantile=self.top_entropy_quantile)
         for name, value in options.items():
             _set(self, name, value)
         _set(self, "determinism_scope", check_enum(DeterminismScope, "determinism_scope", self.determinism_scope))
@@ -508,6 +512,10 @@ class GRPOLossContract:
             extra["sapo_temperatures"] = [self.sapo_temperature_pos.hex(), self.sapo_temperature_neg.hex()]
         if self.surrogate is Surrogate.VESPO:
             extra["vespo_gamma"] = [value.hex() for value in self.vespo_gamma]
+        if self.entropy_coef != 0.0:
+            extra["entropy_coef"] = self.entropy_coef.hex()
+        if self.top_entropy_quantile != 1.0:
+            extra["top_entropy_quantile"] = self.top_entropy_quantile.hex()
         return {**extra,
             "math_version": MATH_VERSION,
             "num_sequences": self.num_sequences,
@@ -672,13 +680,16 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
                   rewards_input: bool = True, delta: Any = None, use_bias_correction_kl: Any = False,
                   sapo_temperature_pos: Any = None, sapo_temperature_neg: Any = None,
                   importance_sampling_level: Any = ImportanceSamplingLevel.TOKEN,
-                  off_policy_mask_threshold: Any = None, **vespo: Any) -> dict[str, Any]:
+                  off_policy_mask_threshold: Any = None, entropy: Any = False, entropy_coef: Any = 0.0,
+                  top_entropy_quantile: Any = 1.0, **vespo: Any) -> dict[str, Any]:
     """Validates the scalar options once, for the contract and for the plain call alike; returns them by field
     name (`clip_eps_high=None` becomes `clip_eps`; `normalizer` is resolved with `loss_type`; `advantage_std`
     None becomes population when the op takes rewards, `rewards_input`; `delta` None: no upper clamp). Every float
     must be finite once rounded to float32, the precision every backend computes in; the normalizer constant and
     `delta` must be normal float32 values. `vespo`: `VESPO_GAMMA`'s names (loss_type 'vespo' only; None: TRL's
-    defaults): finite floats, the rates >= 0 (below 1e-4 they count as 1e-4, as in TRL: `canonical.vespo_phi`)."""
+    defaults): finite floats, the rates >= 0 (below 1e-4 they count as 1e-4, as in TRL: `canonical.vespo_phi`).
+    `entropy` becomes True with an `entropy_coef` other than 0 or a `top_entropy_quantile` below 1 (they read the
+    entropies); the quantile lies in (0, 1]."""
     clip_eps = check_fp32("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
     clip_eps_high = check_fp32("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
     beta = check_fp32("beta", beta, minimum=0.0)
@@ -726,8 +737,16 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
             raise LossContractError(f"off_policy_mask_threshold: expected None or a float that is finite in float32 "
                                     f"(a sequence's mean log-ratio of the sampler to the policy), got {threshold!r}")
         threshold = float(threshold)
+    if not isinstance(entropy, bool):
+        raise LossContractError(f"entropy: expected a bool, got {type(entropy).__name__} {entropy!r}")
+    entropy_coef = check_fp32("entropy_coef", entropy_coef, minimum=-math.inf)
+    top = check_float("top_entropy_quantile", top_entropy_quantile, minimum=0.0, maximum=1.0)
+    if top == 0.0:
+        raise LossContractError("top_entropy_quantile: expected a float in (0, 1] (the fraction of tokens whose policy "
+                                "terms are kept), got 0.0, which keeps none")
     return dict(delta=check_delta(delta), use_bias_correction_kl=use_bias_correction_kl,
-                importance_sampling_level=level, off_policy_mask_threshold=threshold,
+                importance_sampling_level=level, off_policy_mask_threshold=threshold, entropy_coef=entropy_coef,
+                entropy=entropy or entropy_coef != 0.0 or top < 1.0, top_entropy_quantile=top,
                 sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1], **gamma,
                 clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, normalizer=normalizer,
                 normalizer_constant=check_normalizer_constant(normalizer, normalizer_constant),

@@ -94,8 +94,8 @@ class TorchKernels:
         z = _dot(h, w)
         return z if b is None else z + b.float()
 
-    def lse(self, z, ids, lp: LogprobContract, tp_group, inv) -> tuple[torch.Tensor, torch.Tensor]:
-        return vocab_parallel_lse(z, torch.arange(z.shape[0], device=z.device), ids, lp, tp_group, inv)
+    def lse(self, z, ids, lp: LogprobContract, tp_group, inv, entropy: bool = False) -> tuple[torch.Tensor, ...]:
+        return vocab_parallel_lse(z, torch.arange(z.shape[0], device=z.device), ids, lp, tp_group, inv, entropy)
 
     def dz(self, z, ids, lo, lse, logp, c: _CoefInputs, inv, dtype) -> torch.Tensor:
         if c.coef is not None:
@@ -110,8 +110,12 @@ class TorchKernels:
                                         c.surrogate, c.taus)
         if inv != 1.0:
             coef = coef * canonical.fp32(inv, coef)
+        entropy = None
+        if c.coef_h is not None:
+            entropy = (c.coef_h if inv == 1.0 else c.coef_h * canonical.fp32(inv, c.coef_h), c.ent)
         out = torch.empty(z.shape, dtype=dtype, device=z.device)
-        write_grad(out, z, torch.arange(z.shape[0], device=z.device), ids - lo, lse, coef[:, 0], z.shape[1], inv)
+        write_grad(out, z, torch.arange(z.shape[0], device=z.device), ids - lo, lse, coef[:, 0], z.shape[1], inv,
+                   entropy)
         return out
 
     def dhidden(self, dz: torch.Tensor, w: torch.Tensor, acc: torch.Tensor, width: int) -> torch.Tensor:
@@ -137,11 +141,14 @@ class TritonKernels:
         z = torch.empty((h.shape[0], -(-V // 8) * 8), dtype=torch.float32, device=h.device)[:, :V]
         return self.mm(h, w.T, z, bias=b)
 
-    def lse(self, z, ids, lp: LogprobContract, tp_group, inv):
+    def lse(self, z, ids, lp: LogprobContract, tp_group, inv, entropy: bool = False):
         mask = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
-        sel, stats = self.rows.row_stats(z, None, ids, mask, lp.local_bounds[0], lp.tile_width, inv)
-        m, s, sel = gather_tile_stats(stats[0, 0], stats[0, 1], sel[0], ids, lp, tp_group)
-        return self.rows.merge_lse(torch.stack([m, s])[None], mask)[0], sel
+        sel, stats = self.rows.row_stats(z, None, ids, mask, lp.local_bounds[0], lp.tile_width, inv, entropy)
+        m, s, sel, *u = gather_tile_stats(stats[0, 0], stats[0, 1], sel[0], ids, lp, tp_group, *stats[0, 2:])
+        if not entropy:
+            return self.rows.merge_lse(torch.stack([m, s])[None], mask)[0], sel
+        lse, ent = self.rows.merge_lse(torch.stack([m, s, u[0]])[None], mask, True)
+        return lse[0], sel, ent
 
     def dz(self, z, ids, lo, lse, logp, c: _CoefInputs, inv, dtype):
         """Into a buffer of its own (rows padded to 8 columns for TMA). Not over `z`'s own rows: a row's threads
@@ -153,7 +160,8 @@ class TritonKernels:
         out = torch.empty((z.shape[0], -(-V // 8) * 8), dtype=dtype, device=z.device)[:, :V]
         return self.rows.grad(z, ids, mask.unsqueeze(1), logp, c.ref, c.old, c.adv, c.w, lse, one, lo, c.clip_lo,
                               c.clip_hi, c.beta, inv, out=out, delta=c.delta, is_ratio=c.is_ratio, bias_kl=c.bias_kl,
-                              surrogate=c.surrogate, taus=c.taus, coef=c.coef)
+                              surrogate=c.surrogate, taus=c.taus, coef=c.coef,
+                              entropy=None if c.coef_h is None else (c.coef_h, c.ent))
 
     def dhidden(self, dz, w, acc, width):  # TP shards start on tiles: a K step that divides the tile width
         return self.mm(dz, w, acc, accumulate=True, block_k=min(width, 64))
@@ -204,22 +212,27 @@ def _fold_over_tp(local: Callable[[torch.Tensor], torch.Tensor], start: torch.Te
     return acc
 
 
-def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_group, inv, grads=None, ref=None):
+def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_group, inv, grads=None, ref=None,
+                entropy: bool = False):
     """The chunk loop over this rank's active tokens `rows` (flat indices into `hidden` `[tokens, H]`): returns
-    `(logp, logp_ref)` fp32 `[len(rows)]` (`logp_ref` None without `ref = (ref_hidden, ref_weight, ref_bias)`).
+    `(logp, logp_ref, ent)` fp32 `[len(rows)]` (`logp_ref` None without `ref = (ref_hidden, ref_weight, ref_bias)`;
+    `ent`, the policy's entropies, None without `entropy`).
     `grads`: `(inputs, dh, dw, db)`, the `_CoefInputs` of the rows and the gradients to fill as it goes (`dh`
     `[tokens, H]` in hidden's dtype, `dw` fp32 `[V_local, H]`, `db` fp32 `[V_local]`; each None when not wanted)."""
     n = rows.numel()
     logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     logp_ref = None if ref is None else torch.zeros_like(logp)
+    ent = torch.zeros_like(logp) if entropy else None
     lo = lp.local_bounds[0]
     for start in range(0, n, k.chunk):
         stop = min(n, start + k.chunk)
         r, a = rows[start:stop], ids[start:stop]
         h = hidden[r]
         z = k.logits(h, weight, bias)
-        lse, sel = k.lse(z, a, lp, tp_group, inv)
+        lse, sel, *chunk_ent = k.lse(z, a, lp, tp_group, inv, entropy)
         logp[start:stop] = sel - lse
+        if entropy:
+            ent[start:stop] = chunk_ent[0]
         if ref is not None:
             z_ref = k.logits(ref[0][r], ref[1], ref[2])
             lse_ref, sel_ref = k.lse(z_ref, a, lp, tp_group, inv)
@@ -239,7 +252,7 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
             k.dweight(dz, h, dw)
         if db is not None:
             db += canonical.pair_sum(dz.float(), 0)
-    return logp, logp_ref
+    return logp, logp_ref, ent
 
 
 @dataclasses.dataclass
@@ -259,6 +272,8 @@ class _CoefInputs:
     surrogate: Surrogate
     taus: tuple[float, float] | None
     coef: torch.Tensor | None = None  # GSPO: each token's weighted `d loss / d logp`, computed before the pass
+    coef_h: torch.Tensor | None = None  # the entropy bonus: each token's weight in it (`canonical.entropy_bonus`)
+    ent: torch.Tensor | None = None  # with `coef_h`: each token's entropy
 
     def chunk(self, start: int, stop: int, logp: torch.Tensor, logp_ref: torch.Tensor | None) -> _CoefInputs:
         """The chunk's tokens' inputs: the old log-probs (the policy's own `logp` when None: on-policy) and the
@@ -268,7 +283,8 @@ class _CoefInputs:
 
         return dataclasses.replace(self, old=cut(logp if self.old is None else self.old), adv=cut(self.adv),
                                    w=cut(self.w), ref=cut(logp_ref if logp_ref is not None else self.ref),
-                                   is_ratio=cut(self.is_ratio), coef=cut(self.coef))
+                                   is_ratio=cut(self.is_ratio), coef=cut(self.coef), coef_h=cut(self.coef_h),
+                                   ent=cut(self.ent))
 
 
 class _Grads(torch.autograd.Function):
@@ -451,7 +467,9 @@ class LinearGRPOLossOp:
         taus = contract.sapo_temperatures
         sequence = contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE
         gamma = contract.vespo_gamma
-        two_pass = sequence or contract.off_policy_mask_threshold is not None or gamma is not None  # whole sequences
+        bonus = contract.entropy_coef != 0.0
+        two_pass = (sequence or contract.off_policy_mask_threshold is not None or gamma is not None or bonus
+                    or contract.top_entropy_quantile < 1.0)  # from whole sequences, or from the whole batch
         params = [t for t in (hidden, weight, bias) if t is not None]
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
@@ -478,8 +496,8 @@ class LinearGRPOLossOp:
                      zeros(bias, (weight.shape[0],), torch.float32))
         matrices = (hidden.detach().reshape(-1, H), weight.detach(), None if bias is None else bias.detach())
         with torch.no_grad():  # two passes: the log-probs first, the gradients in a second pass
-            logp_rows, ref_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv, None if two_pass else grads,
-                                              ref)
+            logp_rows, ref_rows, ent_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv,
+                                                        None if two_pass else grads, ref, contract.entropy)
         if ref_rows is None:
             ref_rows = given_ref
         full = torch.zeros(n_local * T, dtype=torch.float32, device=hidden.device)
@@ -496,16 +514,31 @@ class LinearGRPOLossOp:
         ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl,
                                                sequence=sequence)
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
+        ent = keep = None
+        if ent_rows is not None:
+            ent = full.index_put((rows,), ent_rows).view(n_local, T)
+            keep = mask
+            if contract.top_entropy_quantile < 1.0:  # the whole batch's quantile, on every rank
+                gathered = gather_sequences(mask.to(torch.uint8), contract, dp_group).bool()
+                keep = canonical.entropy_keep(gather_sequences(ent, contract, dp_group), gathered,
+                                              contract.top_entropy_quantile)[seq_lo:seq_hi]
         is_ratio, phi = canonical.importance_weights(logp, old, adv, mask, is_ratio, contract.off_policy_mask_threshold,
-                                                     sampling_logps, gamma, k.exp)
-        sums = torch.stack([self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta,
-                                                                        is_ratio, contract.surrogate, logp, taus)),
-                            self._token_sum(kl_tok), local_ratio])
-        sums = gather_sequences(sums.T, contract, dp_group).T
+                                                     sampling_logps, gamma, k.exp,
+                                                     None if contract.top_entropy_quantile == 1.0 else keep)
+        sums = [self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta, is_ratio,
+                                                            contract.surrogate, logp, taus)),
+                self._token_sum(kl_tok), local_ratio]
+        if ent is not None:  # the entropy's sums over the active tokens and over the kept ones
+            sums += [self._token_sum(ent), self._token_sum(torch.where(keep, ent, 0.0))]
+            kept = gather_sequences(keep.sum(-1), contract, dp_group)
+        sums = gather_sequences(torch.stack(sums).T, contract, dp_group).T
         clipped = gather_sequences(local_clipped, contract, dp_group)
-        per_seq_policy, per_seq_kl, per_seq_ratio = sums
+        per_seq_policy, per_seq_kl, per_seq_ratio = sums[:3]
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
                                                   contract.normalizer, contract.normalizer_value)
+        if bonus:
+            entropy_bonus, ent_w = canonical.entropy_bonus(sums[4], kept, contract.entropy_coef)
+            loss = loss - entropy_bonus
         derived = contract.advantages_input is AdvantagesInput.REWARDS
         bad = flags.any() | ~torch.isfinite(loss)
         if derived:  # a group's NaN advantages reach no loss when the group has no active token
@@ -522,9 +555,12 @@ class LinearGRPOLossOp:
             coef = (canonical.sequence_coef if sequence else canonical.token_coef)(
                 ratio, logp, logp_ref, adv, w_tok, mask, lo_t, hi_t, contract.beta, contract.delta, is_ratio,
                 contract.use_bias_correction_kl, contract.surrogate, taus)
+            extra = {}
+            if bonus:
+                extra = dict(coef_h=torch.where(keep, ent_w, 0.0).reshape(-1)[rows], ent=ent_rows)
             with torch.no_grad():
                 _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv,
-                            (dataclasses.replace(grads[0], coef=coef.reshape(-1)[rows]), *grads[1:]))
+                            (dataclasses.replace(grads[0], coef=coef.reshape(-1)[rows], **extra), *grads[1:]))
         if grads is not None:  # each stored gradient with the dtype it is handed over in
             _, dh, dw, db = grads
             loss = _Grads.apply(loss, hidden, weight, bias, [
@@ -535,6 +571,9 @@ class LinearGRPOLossOp:
             advantages=advantages_all, per_sequence_active_tokens=counts, clip_fraction=clip_fraction,
             mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
             vespo_phi=None if phi is None else gather_sequences(phi, contract, dp_group),
+            **({} if ent is None else dict(token_entropy=gather_sequences(ent, contract, dp_group),
+                                           per_sequence_entropy=sums[3],
+                                           entropy_token_mean=canonical.token_mean(sums[3], counts))),
             provenance=provenance(self.backend, hidden, backend_id=BACKEND_ID, kernels=k.name,
                                   fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
@@ -570,7 +609,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                      sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token",
                      off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None,
                      vespo_k_pos: float | None = None, vespo_lambda_pos: float | None = None,
-                     vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None) -> GRPOLossResult:
+                     vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None, entropy: bool = False,
+                     entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0) -> GRPOLossResult:
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
     make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
     `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
@@ -588,7 +628,8 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
         use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
         sapo_temperature_neg=sapo_temperature_neg, importance_sampling_level=importance_sampling_level,
         off_policy_mask_threshold=off_policy_mask_threshold, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, entropy=entropy, entropy_coef=entropy_coef,
+        top_entropy_quantile=top_entropy_quantile)
     return LinearGRPOLossOp(kernels).apply(hidden, weight, action_ids, old_logps, rewards, contract=contract,
                                            completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
                                            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,

@@ -36,6 +36,9 @@ class GRPOLossResult:
     mean_ratio: torch.Tensor  # fp32 scalar, detached
     kl_token_mean: torch.Tensor  # fp32 scalar, detached
     vespo_phi: torch.Tensor | None = None
+    token_entropy: torch.Tensor | None = None  # contract.entropy: each active token's `[S, T]` (0.0 on masked ones)
+    per_sequence_entropy: torch.Tensor | None = None  # its token sums `[S]`
+    entropy_token_mean: torch.Tensor | None = None  # fp32 scalar: the mean over the active tokens (TRL's `entropy`)
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -132,7 +132,10 @@ def compare(theirs, ours, beta: float, loss_type: str, on_policy: bool = False) 
     assert {key for record in logs_o for key in record if "clip_ratio" in key} == set(clip_keys)
     if clip_key is None:
         assert not {key for record in logs_t for key in record if "clip_ratio" in key}
-    keys = ["loss", *clip_keys] + (["kl"] if beta else []) + (["vespo/phi_seq_mean"] if loss_type == "vespo" else [])
+    keys = ["loss", "entropy", *clip_keys] + (["kl"] if beta else []) + (
+        ["vespo/phi_seq_mean"] if loss_type == "vespo" else []) + (["policy_loss"] if "policy_loss" in logs_t[0] else [])
+    assert {k for record in logs_o for k in record if k.startswith(("entropy", "policy_loss"))} == \
+           {k for record in logs_t for k in record if k.startswith(("entropy", "policy_loss"))}
     worst = dict.fromkeys(keys + ["params"], 0.0)
     for step, (lt, lo, pt, po) in enumerate(zip(logs_t, logs_o, params_t, params_o), start=1):
         for key in keys:
@@ -140,6 +143,8 @@ def compare(theirs, ours, beta: float, loss_type: str, on_policy: bool = False) 
             worst[key] = max(worst[key], diff)
             limit = 0.0 if key == clip_key else ATOL + RTOL * abs(lt[key])
             assert diff <= limit, f"step {step}: {key} {lt[key]!r} (TRL) vs {lo[key]!r} (ours), |diff| {diff:.3e}"
+        if "entropy_coef" in lt:  # the adaptive controller's coefficient: the same decisions
+            assert lt["entropy_coef"] == lo["entropy_coef"], f"step {step}: entropy_coef"
         diff = max_param_diff(pt, po)
         worst["params"] = max(worst["params"], diff)
         assert diff <= PARAM_ATOL, f"step {step}: parameters differ by up to {diff:.3e}"
@@ -192,11 +197,16 @@ def test_trainer_matches_trl_on_policy(tiny_model, tmp_path):
 DELTA = dict(delta=1.1, epsilon_high=0.05)
 SAPO_TEMPERATURES = dict(sapo_temperature_pos=2.0, sapo_temperature_neg=4.0)
 VESPO_GAMMA = dict(vespo_k_pos=0.5, vespo_lambda_pos=1.0, vespo_k_neg=6.0, vespo_lambda_neg=4.0)
+# The entropy options: a bonus, the top-entropy mask, and TRL's adaptive controller with a target above the tiny
+# model's entropy (~2.4 nats over 12 tokens), so that the bonus applies from the second step on and grows.
+ADAPTIVE = dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=3.0, entropy_coef_delta=0.1)
 # The off-policy mask's threshold: 1e-3, not 0, which would sit on the rounding of the first pass over a generation
 # (TRL's log-probs and ours differ by ~1e-7 there, where an unchanged policy's mean log-ratio is 0).
 GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
 OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_kl"],  # each proof drops these
            "sapo temperatures": list(SAPO_TEMPERATURES), "vespo gamma": list(VESPO_GAMMA),
+           "entropy bonus": ["entropy_coef"], "entropy mask": ["top_entropy_quantile"],
+           "adaptive entropy": ["use_adaptive_entropy", "entropy_target", "entropy_coef_delta"],
            "sequence level": ["importance_sampling_level"],
            "off-policy mask": ["off_policy_mask_threshold"]}
 
@@ -214,9 +224,13 @@ OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_k
     ("dapo", 0.04, dict(off_policy_mask_threshold=1e-3)),
     ("grpo", 0.0, dict(importance_sampling_level="sequence", off_policy_mask_threshold=1e-3)),
     ("vespo", 0.04, dict(VESPO_GAMMA, use_bias_correction_kl=True)),
+    ("dapo", 0.04, dict(entropy_coef=0.05)),
+    ("grpo", 0.0, dict(top_entropy_quantile=0.4, entropy_coef=0.02)),
+    ("dapo", 0.0, ADAPTIVE),
 ], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl", "sapo_temperatures", "gspo-grpo",
         "gspo-luspo", "gspo-dapo-bias_correction_kl", "gspo-sapo", "gspo-cispo", "off_policy_mask",
-        "gspo-grpo-off_policy_mask", "vespo-gamma-bias_correction_kl"])
+        "gspo-grpo-off_policy_mask", "vespo-gamma-bias_correction_kl", "entropy_bonus", "top_entropy_quantile",
+        "adaptive_entropy"])
 def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, options):
     theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
     ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)
@@ -335,18 +349,6 @@ def test_linear_loss_cispo_and_sapo_on_policy():
         tau = torch.where(adv > 0, pos, neg).double()
         expected = torch.where(mask.any(-1), -2.0 / tau * adv.double(), 0.0).mean().item()
         assert math.isclose(loss.item(), expected, rel_tol=1e-5) and clip.item() == 0.0
-
-
-@pytest.mark.parametrize("option, value", [("top_entropy_quantile", 0.5), ("entropy_coef", 0.01)])
-def test_trainer_refuses_unsupported_options(tiny_model, tmp_path, option, value):
-    """`top_entropy_quantile` and `entropy_coef` need the token entropies."""
-    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
-                          per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-                          **{option: value})
-    dataset = Dataset.from_dict({"prompt": ["abc", "hag"]})
-    with pytest.raises(ValueError, match=option):
-        GRPOCoreTrainer(model=tiny_model, reward_funcs=toy_reward, args=args, train_dataset=dataset,
-                        processing_class=PreTrainedTokenizerFast.from_pretrained(tiny_model))
 
 
 def test_linear_loss_liger_interface():

@@ -209,8 +209,8 @@ class DistributedGRPOLossOp:
             adv = k.token_advantages(given, mask)
         given_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
         ref = None if ref_local_logits is None else ref_local_logits.detach()
-        logp, logp_ref, sums, ints, phi, state = k.forward(c, policy_local_logits.detach(), ref, given_ref, adv,
-                                                           rewards_local)
+        logp, logp_ref, sums, ints, phi, ent, state = k.forward(c, policy_local_logits.detach(), ref, given_ref, adv,
+                                                                rewards_local)
         # Every rank holds the whole batch's per-sequence vectors, gathered in DP-rank order.
         ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
         scalars, w, flag = k.finish(sums, ints, contract)
@@ -222,14 +222,17 @@ class DistributedGRPOLossOp:
                  loss, logp, logp_ref, None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
         if policy_local_logits.requires_grad and torch.is_grad_enabled():
             w = w[seq_lo:seq_hi]
+            ent_w = None if ent is None else canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[1]
             loss = _Loss.apply(policy_local_logits, loss,
-                               lambda logits, grad_loss: k.grad(c, state, logp, logp_ref, w, logits, grad_loss))
+                               lambda logits, grad_loss: k.grad(c, state, logp, logp_ref, w, logits, grad_loss, ent_w))
         s = contract.sharding
         return GRPOLossResult(
             loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=sums[0], per_sequence_kl=sums[1],
             advantages=advantages_all, per_sequence_active_tokens=ints[0], clip_fraction=clip_fraction,
             mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
             vespo_phi=None if phi is None else c.gather(phi),
+            **({} if ent is None else dict(token_entropy=c.gather(ent), per_sequence_entropy=sums[3],
+                                           entropy_token_mean=canonical.token_mean(sums[3], ints[0]))),
             provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID, kernels=k.name,
                                   fingerprint=contract.fingerprint(), tile_width=contract.logprob_contract.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
@@ -258,14 +261,25 @@ class _Call:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
 
-    def weights(self, logp: torch.Tensor, adv: torch.Tensor, exp: Callable[[torch.Tensor], torch.Tensor]
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def weights(self, logp: torch.Tensor, adv: torch.Tensor, exp: Callable[[torch.Tensor], torch.Tensor],
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`(weights, phi)`: the importance weights the token terms read (`is_ratio`, or vespo's gamma weight, with the
-        off-policy mask folded in when the contract sets its threshold) and vespo's phi of this rank's sequences
-        (`canonical.importance_weights`, from this rank's whole sequences)."""
+        off-policy mask and the entropy mask `keep` folded in when the contract sets them) and vespo's phi of this
+        rank's sequences (`canonical.importance_weights`, from this rank's whole sequences)."""
         o = self.contract
         return canonical.importance_weights(logp, self.old, adv, self.mask, self.is_ratio,
-                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp)
+                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp,
+                                            None if o.top_entropy_quantile == 1.0 else keep)
+
+    def keep(self, entropy: torch.Tensor) -> torch.Tensor:
+        """The active tokens whose policy terms are kept (`canonical.entropy_keep` of the whole batch's entropies:
+        every rank computes the same quantile), this rank's `[n_local, T]`."""
+        top = self.contract.top_entropy_quantile
+        if top == 1.0:
+            return self.mask
+        lo, hi = self.contract.sharding.sequence_bounds
+        mask = self.gather(self.mask.to(torch.uint8)).bool()
+        return canonical.entropy_keep(self.gather(entropy), mask, top)[lo:hi]
 
 
 class _TorchKernels:
@@ -295,12 +309,14 @@ class _TorchKernels:
         rows = c.mask.reshape(-1).nonzero().squeeze(1)
         ids = c.action_ids.reshape(-1)[rows].long()
 
-        def logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            lse, selected = vocab_parallel_lse(logits.reshape(n * T, -1), rows, ids, lp, c.tp_group, c.inv)
+        def logprobs(logits: torch.Tensor, entropy: bool = False):
+            lse, selected, *h = vocab_parallel_lse(logits.reshape(n * T, -1), rows, ids, lp, c.tp_group, c.inv,
+                                                   entropy)
             full = torch.zeros(n * T, dtype=torch.float32, device=x.device)
-            return full.index_put((rows,), selected - lse).view(n, T), lse, ~torch.isfinite(selected - lse)
+            ent = [full.index_put((rows,), h[0]).view(n, T)] if h else []
+            return full.index_put((rows,), selected - lse).view(n, T), lse, ~torch.isfinite(selected - lse), *ent
 
-        logp, lse, bad_rows = logprobs(x)
+        logp, lse, bad_rows, *ent = logprobs(x, c.contract.entropy)
         logp_ref = given_ref  # checked finite at active tokens by the preflight
         if ref is not None:
             logp_ref, _, bad_ref = logprobs(ref)
@@ -310,21 +326,27 @@ class _TorchKernels:
                                                sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        w_is, phi = c.weights(logp, adv, canonical.exp)
+        keep = c.keep(ent[0]) if ent else None
+        w_is, phi = c.weights(logp, adv, canonical.exp, keep)
         policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
                                              o.sapo_temperatures)
-        sums = torch.stack([self.token_sum(policy),
-                            self.token_sum(kl_tok), local_ratio])
-        ints = torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped])
-        return logp, logp_ref, sums, ints, phi, (rows, ids, lse, ratio, adv, lo_t, hi_t, w_is)
+        sums = [self.token_sum(policy), self.token_sum(kl_tok), local_ratio]
+        ints = [c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped]
+        if ent:  # the entropy's sums over the active tokens and over the kept ones, and the kept tokens
+            sums += [self.token_sum(ent[0]), self.token_sum(torch.where(keep, ent[0], 0.0))]
+            ints.append(keep.sum(-1))
+        return (logp, logp_ref, torch.stack(sums), torch.stack(ints), phi, ent[0] if ent else None,
+                (rows, ids, lse, ratio, adv, lo_t, hi_t, w_is, keep, ent[0] if ent else None))
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
         """`((loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean), token weights [S], no flag)` of the
         whole batch's per-sequence vectors."""
-        counts, _, clipped = ints
+        counts, _, clipped = ints[:3]
         loss, policy_loss, kl = canonical.combine(sums[0], sums[1], counts, contract.beta, contract.normalizer,
                                                   contract.normalizer_value)
+        if contract.entropy_coef != 0.0:
+            loss = loss - canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[0]
         metrics = canonical.batch_metrics(sums[2], sums[1], clipped, counts)
         return (loss, policy_loss, kl, *metrics), canonical.token_weights(counts, contract.normalizer,
                                                                            contract.normalizer_value), None
@@ -341,8 +363,10 @@ class _TorchKernels:
         check_loss(loss)
 
     @staticmethod
-    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
-        rows, ids, lse, ratio, adv, lo_t, hi_t, w_is = state
+    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss, entropy_weight=None) -> torch.Tensor:
+        """`d loss / d logits` times `grad_loss`; `entropy_weight` (fp32 0-d): each kept token's weight in the entropy
+        bonus (`canonical.entropy_bonus`)."""
+        rows, ids, lse, ratio, adv, lo_t, hi_t, w_is, keep, ent = state
         o = c.contract
         coef = (canonical.sequence_coef if c.sequence else canonical.token_coef)(
             ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, w_is, o.use_bias_correction_kl,
@@ -352,8 +376,14 @@ class _TorchKernels:
         scaled = coef.reshape(-1)[rows] * grad_loss
         if c.inv != 1.0:
             scaled = scaled * canonical.fp32(c.inv, scaled)
+        entropy = None
+        if o.entropy_coef != 0.0:  # each kept token's weight in the bonus, times grad_output and 1 / temperature
+            coef_h = torch.where(keep, entropy_weight, 0.0).reshape(-1)[rows] * grad_loss
+            if c.inv != 1.0:
+                coef_h = coef_h * canonical.fp32(c.inv, coef_h)
+            entropy = (coef_h, ent.reshape(-1)[rows])
         write_grad(grad, flat, rows, ids - c.contract.sharding.vocab_bounds[0], lse, scaled,
-                   c.contract.logprob_contract.tile_width, c.inv)
+                   c.contract.logprob_contract.tile_width, c.inv, entropy)
         return grad.view(logits.shape)
 
 
@@ -379,21 +409,26 @@ class _TritonKernels:
         from ..triton import canonical as kernels
         n, T = c.mask.shape
         lp = c.contract.logprob_contract
-        sel, stats = kernels.row_stats(x, ref, c.action_ids, c.mask, lp.local_bounds[0], lp.tile_width, c.inv)
+        o = c.contract
+        sel, stats = kernels.row_stats(x, ref, c.action_ids, c.mask, lp.local_bounds[0], lp.tile_width, c.inv,
+                                       o.entropy)
         stats, sel = stats[:1 + (ref is not None)], sel[:1 + (ref is not None)]
-        if len(lp.vocab_shard_bounds) > 1:  # every rank's tiles, in global order
+        if len(lp.vocab_shard_bounds) > 1:  # every rank's tiles, in global order (the policy's entropy sums too)
             ids = c.action_ids.reshape(-1).long()
-            gathered = [gather_tile_stats(st[0], st[1], z, ids, lp, c.tp_group) for st, z in zip(stats, sel)]
-            stats = torch.stack([torch.stack(g[:2]) for g in gathered])
+            gathered = [gather_tile_stats(st[0], st[1], z, ids, lp, c.tp_group, *st[2:3 - k])
+                        for k, (st, z) in enumerate(zip(stats, sel))]
+            stats = torch.stack([torch.stack([g[0], g[1], *g[3:], *[torch.zeros_like(g[0])] * (o.entropy and k > 0)])
+                                 for k, g in enumerate(gathered)])
             sel = torch.stack([g[2] for g in gathered])
-        lse = kernels.merge_lse(stats, c.mask)
+        lse, *ent = kernels.merge_lse(stats, c.mask, True) if o.entropy else (kernels.merge_lse(stats, c.mask),)
+        ent = ent[0].view(n, T) if ent else None
         logp = torch.where(c.mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
         logp_ref = logp[1] if ref is not None else given_ref
-        o = c.contract
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
             ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
-        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask), kernels.exp_of)
+        keep = None if ent is None else c.keep(ent)
+        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask), kernels.exp_of, keep)
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, ratio)
@@ -401,7 +436,11 @@ class _TritonKernels:
             ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
         if c.is_ratio is not None and w_is is not c.is_ratio:  # the kernels read the computed weights: the given
             ints[1] |= (c.mask & ~((c.is_ratio >= 0.0) & (c.is_ratio < math.inf))).any(-1)  # ones are flagged here
-        return logp[0], logp_ref, sums, ints, phi, (lse[0], adv, ratio, w_is)
+        if ent is not None:  # the entropy's sums over the active tokens and over the kept ones, the kept tokens
+            sums = torch.cat([sums, torch.stack([canonical.pair_sum(ent), canonical.pair_sum(torch.where(keep, ent,
+                                                                                                       0.0))])])
+            ints = torch.cat([ints, keep.sum(-1)[None]])
+        return logp[0], logp_ref, sums, ints, phi, ent, (lse[0], adv, ratio, w_is, keep, ent)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -409,7 +448,10 @@ class _TritonKernels:
         or 1 where the loss is not finite."""
         from ..triton import canonical as kernels
         scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
-        return tuple(scalars), w, flag
+        scalars = tuple(scalars)
+        if contract.entropy_coef != 0.0:
+            scalars = (scalars[0] - canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[0], *scalars[1:])
+        return scalars, w, flag
 
     @staticmethod
     def settle(c: _Call, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
@@ -448,9 +490,9 @@ class _TritonKernels:
                           group=(c.tp_group, c.dp_group) if s.tp_world_size * s.dp_world_size > 1 else None)
 
     @staticmethod
-    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss) -> torch.Tensor:
+    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss, entropy_weight=None) -> torch.Tensor:
         from ..triton import canonical as kernels
-        lse, adv, ratio, w_is = state
+        lse, adv, ratio, w_is, keep, ent = state
         o = c.contract
         coef = None
         if ratio is not None:
@@ -461,4 +503,5 @@ class _TritonKernels:
         return kernels.grad(logits, c.action_ids, c.mask, logp, logp_ref, c.old, adv, w, lse, grad_loss,
                             o.sharding.vocab_bounds[0], *c.clip, o.beta, c.inv, delta=o.delta, is_ratio=w_is,
                             bias_kl=o.use_bias_correction_kl, surrogate=o.surrogate, taus=o.sapo_temperatures,
-                            coef=coef)
+                            coef=coef, entropy=None if o.entropy_coef == 0.0 else (
+                                torch.where(keep, entropy_weight, 0.0).reshape(-1) * grad_loss, ent.reshape(-1)))

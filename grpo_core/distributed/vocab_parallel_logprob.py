@@ -32,31 +32,35 @@ def row_chunks(rows: torch.Tensor, cols: int, tile_width: int, total_rows: int) 
     return iter(rows.split(step))
 
 
-def _gather_tiles(m: torch.Tensor, s: torch.Tensor, selected: torch.Tensor, contract: LogprobContract,
-                  tp_group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All ranks' tile stats in global tile order `[n, num_tiles]` and every rank's selected logit `[tp, n]`."""
+def _gather_tiles(stats: list[torch.Tensor], selected: torch.Tensor, contract: LogprobContract,
+                  tp_group: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """All ranks' tile stats (`(m, s)` or `(m, s, u)`) in global tile order `[n, num_tiles]` each and every rank's
+    selected logit `[tp, n]`."""
     width = contract.tile_width
     tiles = [-(-(hi - lo) // width) for lo, hi in contract.vocab_shard_bounds]
     most = max(tiles)
-    pad = most - m.shape[1]
-    packed = torch.cat([F.pad(m, (0, pad), value=float("-inf")), F.pad(s, (0, pad)), selected.unsqueeze(-1)], 1)
+    pad = most - stats[0].shape[1]
+    packed = torch.cat([F.pad(stats[0], (0, pad), value=float("-inf")), *(F.pad(t, (0, pad)) for t in stats[1:]),
+                        selected.unsqueeze(-1)], 1)
     parts = [torch.empty_like(packed) for _ in tiles]
     dist.all_gather(parts, packed.contiguous(), group=tp_group)
-    m_all = torch.cat([p[:, :k] for p, k in zip(parts, tiles)], 1)
-    s_all = torch.cat([p[:, most:most + k] for p, k in zip(parts, tiles)], 1)
-    return m_all, s_all, torch.stack([p[:, -1] for p in parts])
+    merged = [torch.cat([p[:, i * most:i * most + k] for p, k in zip(parts, tiles)], 1) for i in range(len(stats))]
+    return merged, torch.stack([p[:, -1] for p in parts])
 
 
 def gather_tile_stats(m: torch.Tensor, s: torch.Tensor, selected: torch.Tensor, ids: torch.Tensor,
-                      contract: LogprobContract, tp_group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      contract: LogprobContract, tp_group: Any, u: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, ...]:
     """Every TP rank's tile stats `[n, local tiles]` gathered into global tile order `[n, tiles]`, and the selected
-    logit of each row taken from the rank that owns its id (the others hold 0.0 there). TP = 1: unchanged."""
-    if len(contract.vocab_shard_bounds) == 1:
-        return m, s, selected
-    m, s, selected_all = _gather_tiles(m, s, selected, contract, tp_group)
-    starts = torch.tensor([b[0] for b in contract.vocab_shard_bounds[1:]], device=ids.device)
-    owner = torch.bucketize(ids, starts, right=True)
-    return m, s, selected_all.gather(0, owner.unsqueeze(0)).squeeze(0)
+    logit of each row taken from the rank that owns its id (the others hold 0.0 there): `(m, s, selected)`, or with
+    `u` (the entropy's tile sums) `(m, s, selected, u)`. TP = 1: unchanged."""
+    stats = [m, s] if u is None else [m, s, u]
+    if len(contract.vocab_shard_bounds) > 1:
+        stats, selected_all = _gather_tiles(stats, selected, contract, tp_group)
+        starts = torch.tensor([b[0] for b in contract.vocab_shard_bounds[1:]], device=ids.device)
+        owner = torch.bucketize(ids, starts, right=True)
+        selected = selected_all.gather(0, owner.unsqueeze(0)).squeeze(0)
+    return (stats[0], stats[1], selected, *stats[2:])
 
 
 def scaled(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
@@ -66,37 +70,45 @@ def scaled(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
 
 
 def vocab_parallel_lse(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, contract: LogprobContract,
-                       tp_group: Any, inv_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       tp_group: Any, inv_temperature: float = 1.0, entropy: bool = False) -> tuple[torch.Tensor, ...]:
     """`(lse, selected logit)` fp32 `[len(rows)]` of the rows `rows` of this rank's `[tokens, local vocab]` shard
     read as `z = fp32(x) * inv_temperature`, for global `ids`. `lse` is NaN for a row that holds a NaN or +inf logit
-    or only -inf ones."""
+    or only -inf ones. `entropy`: `(lse, selected, entropy)`, each row's `canonical.entropy_of` (NaN where `lse` is)."""
     lo, hi = contract.local_bounds
     width = contract.tile_width
-    stats = [canonical.tile_stats(scaled(logits[chunk], inv_temperature), width)
+    stats = [canonical.tile_stats(scaled(logits[chunk], inv_temperature), width, entropy)
              for chunk in row_chunks(rows, hi - lo, width, logits.shape[0])]
     tiles = -(-(hi - lo) // width)
-    m = torch.cat([st[0] for st in stats]) if stats else logits.new_zeros((0, tiles), dtype=torch.float32)
-    s = torch.cat([st[1] for st in stats]) if stats else torch.zeros_like(m)
+    empty = logits.new_zeros((0, tiles), dtype=torch.float32)
+    m, s, *u = (torch.cat([st[i] for st in stats]) if stats else empty for i in range(2 + entropy))
     local = ids - lo
     owned = (local >= 0) & (local < hi - lo)
     selected = torch.where(owned, scaled(logits[rows, local.clamp(0, hi - lo - 1)], inv_temperature), 0.0)
-    m, s, selected = gather_tile_stats(m, s, selected, ids, contract, tp_group)
-    return canonical.lse(*canonical.merge_stats(m, s)), selected
+    m, s, selected, *u = gather_tile_stats(m, s, selected, ids, contract, tp_group, *u)
+    merged = canonical.merge_stats(m, s, *u)
+    lse = canonical.lse(*merged[:2])
+    return (lse, selected) if not entropy else (lse, selected, canonical.entropy_of(*merged))
 
 
 def write_grad(grad: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, local_ids: torch.Tensor,
-               lse: torch.Tensor, coef: torch.Tensor, tile_width: int, inv_temperature: float = 1.0) -> None:
-    """`grad[rows] = coef * (onehot(local_ids) - exp(z[rows] - lse))` in `grad`'s dtype, chunk by chunk, with
-    `z = fp32(logits) * inv_temperature` (`coef` already holds the factor `inv_temperature` of `dz / dx`);
-    `local_ids` outside this shard give no one-hot column."""
+               lse: torch.Tensor, coef: torch.Tensor, tile_width: int, inv_temperature: float = 1.0,
+               entropy: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`grad[rows] = coef * (onehot(local_ids) - p)` in `grad`'s dtype, chunk by chunk, with `p = exp(z[rows] - lse)`
+    and `z = fp32(logits) * inv_temperature` (`coef` already holds the factor `inv_temperature` of `dz / dx`);
+    `local_ids` outside this shard give no one-hot column. `entropy = (coef_h, h)` `[len(rows)]` each: plus
+    `coef_h * (p * ((z - lse) + h))`, `coef_h` times `-d h / dz` of the row's entropy `h`."""
     cols = torch.arange(logits.shape[1], device=logits.device)
     start = 0
     for chunk in row_chunks(rows, logits.shape[1], tile_width, logits.shape[0]):
         part = slice(start, start + chunk.numel())
         start = part.stop
         onehot = (cols == local_ids[part].unsqueeze(1)).to(torch.float32)
-        p = canonical.exp(scaled(logits[chunk], inv_temperature) - lse[part].unsqueeze(1))
-        grad[chunk] = (coef[part].unsqueeze(1) * (onehot - p)).to(grad.dtype)
+        logp = scaled(logits[chunk], inv_temperature) - lse[part].unsqueeze(1)
+        p = canonical.exp(logp)
+        g = coef[part].unsqueeze(1) * (onehot - p)
+        if entropy is not None:
+            g = g + entropy[0][part].unsqueeze(1) * (p * (logp + entropy[1][part].unsqueeze(1)))
+        grad[chunk] = g.to(grad.dtype)
 
 
 class _LogprobGrad(torch.autograd.Function):

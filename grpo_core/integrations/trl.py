@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from .. import canonical
 from ..linear import linear_grpo_loss
 from ..result import GRPOLossResult
 
@@ -74,7 +75,8 @@ class GRPOLinearLoss(torch.nn.Module):
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
                  delta: float | None = None, use_bias_correction_kl: bool = False,
                  off_policy_mask_threshold: float | None = None, vespo_k_pos: float = 2.0,
-                 vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
+                 vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                 entropy: bool = False, entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0):
         super().__init__()
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r}")
@@ -95,6 +97,7 @@ class GRPOLinearLoss(torch.nn.Module):
         self.off_policy_mask_threshold = off_policy_mask_threshold
         self.vespo_gamma = {"vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos,
                             "vespo_k_neg": vespo_k_neg, "vespo_lambda_neg": vespo_lambda_neg}
+        self.entropy, self.entropy_coef, self.top_entropy_quantile = entropy, entropy_coef, top_entropy_quantile
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Liger's `(loss, metrics)` of `result(...)`: `metrics = (kl, clip_ratio)` when `beta != 0`, else
@@ -110,7 +113,8 @@ class GRPOLinearLoss(torch.nn.Module):
                 ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
                 ref_bias: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None,
                 num_items_in_batch: torch.Tensor | float | None = None,
-                sampling_per_token_logps: torch.Tensor | None = None) -> GRPOLossResult:
+                sampling_per_token_logps: torch.Tensor | None = None, entropy_coef: float | None = None
+                ) -> GRPOLossResult:
         """`_input [B, T, H]`, `lin_weight [V, H]`, `selected_token_ids`, `attention_mask [B, T]`, `advantages [B]`.
         `num_items_in_batch` (dapo and cispo): the active tokens of the whole generation batch, over all processes;
         the loss is divided by it over the world size, as in TRL and Liger (without it: by the active tokens of this
@@ -136,6 +140,8 @@ class GRPOLinearLoss(torch.nn.Module):
             importance_sampling_level=self.importance_sampling_level,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             sampling_logps=None if self.off_policy_mask_threshold is None else sampling_per_token_logps,
+            entropy=self.entropy, top_entropy_quantile=self.top_entropy_quantile,
+            entropy_coef=self.entropy_coef if entropy_coef is None else entropy_coef,
             **self._term_options(), **self._normalizer(attention_mask, num_items_in_batch))
 
     def _term_options(self) -> dict[str, float]:
@@ -192,12 +198,10 @@ def _grpo_core_trainer() -> type:
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             a = self.args
-            for name, value, default in [("top_entropy_quantile", a.top_entropy_quantile, 1.0),
-                                         ("entropy_coef", a.entropy_coef, 0.0),
-                                         ("use_adaptive_entropy", a.use_adaptive_entropy, False)]:
-                if value != default:
-                    raise ValueError(f"{name}: expected {default!r} with GRPOCoreTrainer, got {value!r} (grpo-core's "
-                                     f"loss does not compute the token entropies)")
+            if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
+                raise ValueError(f"top_entropy_quantile: expected 1.0 with GRPOCoreTrainer on more than one process, "
+                                 f"got {self.top_entropy_quantile!r} (TRL's quantile spans the processes' tokens, the "
+                                 f"loss's its own batch)")
             if self.aux_loss_enabled:
                 raise ValueError(f"router_aux_loss_coef: expected 0.0 with GRPOCoreTrainer for a MoE model, got "
                                  f"{self.router_aux_loss_coef!r} (the loss has no router term)")
@@ -216,7 +220,7 @@ def _grpo_core_trainer() -> type:
                 off_policy_mask_threshold=a.off_policy_mask_threshold,
                 sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
                 vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
-                vespo_lambda_neg=a.vespo_lambda_neg)
+                vespo_lambda_neg=a.vespo_lambda_neg, entropy=True, top_entropy_quantile=self.top_entropy_quantile)
             self.grpo_core_redirection = _ForwardRedirection()
 
         def _compute_loss(self, model, inputs):
@@ -227,15 +231,29 @@ def _grpo_core_trainer() -> type:
             num_items = inputs["num_items_in_batch"]
             if mode == "train":  # TRL's dapo normalizer spans one accumulation window of the generation batch
                 num_items = num_items * accumulation / self.args.steps_per_generation
+            # TRL's entropy bonus: its coefficient from the end of the last optimizer step (adaptive: only while the
+            # entropy is at most the target), on the mean over the kept tokens, divided by the accumulation alone
+            coef = 0.0
+            if self._entropy_bonus_enabled and (not self.use_adaptive_entropy
+                                                or self._last_world_entropy <= self.args.entropy_target):
+                coef = self.entropy_coef / (accumulation if self.loss_type in BY_NUM_ITEMS else 1)
             unwrapped = self.accelerator.unwrap_model(model)
-            loss, kl, clip, phi = self.grpo_core_redirection(model, unwrapped, self._grpo_core_loss, unwrapped,
-                                                             inputs, num_items)
+            loss, m = self.grpo_core_redirection(model, unwrapped, self._grpo_core_loss, unwrapped, inputs, num_items,
+                                                 coef)
             if self.loss_type not in BY_NUM_ITEMS:  # their normalizer already holds the accumulation (as in TRL)
                 loss = loss / accumulation
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
             count = mask.sum().to(torch.float32)
             sequences = torch.tensor(float(mask.shape[0]), device=count.device)
+            if self._entropy_bonus_enabled:
+                self._metrics[mode]["policy_loss"].append(self.accelerator.gather(m["policy_loss"]).nanmean().item())
+                if self.use_adaptive_entropy and mode == "train":
+                    self._adapt_entropy_coef(m["entropy"], mask.bool())
+                if mode == "train" and self.accelerator.sync_gradients:
+                    self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+            kl, clip, phi = m["kl"], m["clip"], m["phi"]
             logged = [("kl", kl, count)] if self.beta != 0.0 else []
+            logged.append(("entropy", m["entropy_mean"], count))
             clip_key = CLIP_RATIO_KEYS.get(self.loss_type, "clip_ratio/region_mean")
             if clip_key is not None:  # TRL's sequence-level clip ratio is a mean over the sequences (the loss's too)
                 logged.append((clip_key, clip, sequences if self.importance_sampling_level == "sequence" else count))
@@ -246,9 +264,26 @@ def _grpo_core_trainer() -> type:
                 self._metrics[mode][key].append((total / n.clamp(min=1.0)).item())
             return loss
 
-        def _grpo_core_loss(self, unwrapped, inputs, num_items):
+        def _adapt_entropy_coef(self, entropy: torch.Tensor, mask: torch.Tensor) -> None:
+            """TRL's adaptive entropy controller: the window's entropy sum and kept-token count accumulate over the
+            micro-batches; at the optimizer step, reduced over the processes, they move the coefficient by
+            `entropy_coef_delta` toward more bonus below `entropy_target` and less above it."""
+            keep = canonical.entropy_keep(entropy, mask, self.top_entropy_quantile)
+            stats = torch.stack([(entropy * keep).sum(), keep.sum().to(entropy.dtype)]).detach()
+            self._entropy_window_stats = stats if self._entropy_window_stats is None else (
+                self._entropy_window_stats + stats)
+            if self.accelerator.sync_gradients:
+                a = self.args
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world = (total[0] / total[1].clamp(min=1.0)).item()
+                self.entropy_coef = (min(self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+                                     if world <= a.entropy_target else
+                                     max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min))
+                self._last_world_entropy, self._entropy_window_stats = world, None
+
+        def _grpo_core_loss(self, unwrapped, inputs, num_items, entropy_coef):
             """Backbone, then the fused linear loss on the completion positions (inside the wrapper's forward):
-            `(loss, kl, clip ratio, vespo's phi or None)`."""
+            `(loss, what the trainer logs)`."""
             if is_peft_model(unwrapped):
                 unwrapped = unwrapped.base_model.model
             completion_ids = inputs["completion_ids"]
@@ -269,8 +304,11 @@ def _grpo_core_trainer() -> type:
                                            bias=bias, ref_per_token_logps=inputs.get("ref_per_token_logps"),
                                            old_per_token_logps=inputs.get("old_per_token_logps"),
                                            vllm_is_ratio=is_ratio, num_items_in_batch=num_items,
-                                           sampling_per_token_logps=inputs.get("sampling_per_token_logps"))
-            return r.loss, r.kl_token_mean, r.clip_fraction, r.vespo_phi
+                                           sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
+                                           entropy_coef=entropy_coef)
+            return r.loss, {"kl": r.kl_token_mean, "clip": r.clip_fraction, "phi": r.vespo_phi,
+                            "entropy": r.token_entropy, "entropy_mean": r.entropy_token_mean,
+                            "policy_loss": r.policy_loss + r.kl * self.beta}
 
     GRPOCoreTrainer.__module__, GRPOCoreTrainer.__qualname__ = __name__, "GRPOCoreTrainer"
     return GRPOCoreTrainer

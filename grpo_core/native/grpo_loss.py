@@ -46,7 +46,8 @@ class NativeGRPOLossOp:
                  sapo_temperature_neg: float | None = None, importance_sampling_level: str = "token",
                  off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None,
                  vespo_k_pos: float | None = None, vespo_lambda_pos: float | None = None,
-                 vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None
+                 vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None,
+                 entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`normalizer` (default global_active_tokens) or TRL's / Liger's `loss_type` ('grpo', 'bnpo',
         'dr_grpo' with `max_completion_length`, default T, or 'dapo'); `advantage_std` (default population) only
@@ -60,7 +61,10 @@ class NativeGRPOLossOp:
         (GSPO): every token reads its sequence's ratio, the exp of its mean log-ratio (`canonical.sequence_log_ratio`).
         `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy sequence mask, TRL's): a sequence's policy terms are
         dropped where its advantage is negative and its mean of `sampling_logps - logp` (default `old_logps`) exceeds
-        the threshold (`canonical.off_policy_weights`)."""
+        the threshold (`canonical.off_policy_weights`). `entropy_coef` (TRL's entropy bonus: the loss minus
+        `entropy_coef` times the mean entropy of the policy over the kept active tokens, with its gradient) and
+        `top_entropy_quantile` (TRL's: the policy terms kept on the active tokens whose entropy is at least the batch's
+        `1 - top_entropy_quantile` quantile, `canonical.entropy_keep`; the KL term on every active token)."""
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
                          samples_per_prompt, group_boundaries, clip_eps_high, normalizer, normalizer_constant,
                          advantage_std, temperature=temperature, advantages=advantages, loss_type=loss_type,
@@ -71,7 +75,8 @@ class NativeGRPOLossOp:
                          importance_sampling_level=importance_sampling_level,
                          off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps,
                          vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-                         vespo_lambda_neg=vespo_lambda_neg)
+                         vespo_lambda_neg=vespo_lambda_neg, entropy_coef=entropy_coef,
+                         top_entropy_quantile=top_entropy_quantile)
         return tuple(self._run(policy_logits, ref_logits, ref_logps, action_ids, old_logps, rewards, advantages, o, {},
                                importance_sampling_ratio, sampling_logps))
 
@@ -122,7 +127,8 @@ class NativeGRPOLossOp:
             advantages = advantages.detach().to(torch.float32, copy=True)  # reported as given
             adv = canonical.used_advantages(advantages, mask)
         inv = inverse_temperature(o.temperature)
-        logp = selected_logprobs(policy_logits, action_ids, mask, inv)
+        logp, ent = (selected_logprobs(policy_logits, action_ids, mask, inv, entropy=True) if o.entropy else
+                     (selected_logprobs(policy_logits, action_ids, mask, inv), None))
         logp_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
         if ref_logits is not None:
             with torch.no_grad():
@@ -134,14 +140,18 @@ class NativeGRPOLossOp:
                                                sequence=o.sequence_level)
         lo, hi = canonical.clip_bounds(o.clip_eps, o.clip_eps_high, logp, o.surrogate)
         is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
+        keep = None if ent is None else canonical.entropy_keep(ent.detach(), mask, o.top_entropy)
         is_ratio, phi = canonical.importance_weights(logp, old_logps, adv, mask, is_ratio, o.off_policy, sampling_logps,
-                                                     o.gamma)
+                                                     o.gamma, keep=None if o.top_entropy == 1.0 else keep)
         policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
                                                  o.taus, sigmoid=torch.sigmoid)
         per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
                                               mask.sum(dim=-1))
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
                                                   o.constant)
+        if ent is not None and o.entropy_coef != 0.0:
+            loss = loss - canonical.entropy_bonus(canonical.pair_sum(torch.where(keep, ent, 0.0)), keep.sum(-1),
+                                                  o.entropy_coef)[0]
         check_loss(loss.detach())
         ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
@@ -149,5 +159,14 @@ class NativeGRPOLossOp:
         return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
                               per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
                               per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
-                              kl_token_mean=kl_token_mean, vespo_phi=phi,
+                              kl_token_mean=kl_token_mean, vespo_phi=phi, **_entropy_outputs(ent, counts),
                               provenance=provenance(self.backend, policy_logits, **extra))
+
+
+def _entropy_outputs(ent: torch.Tensor | None, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The result's entropy fields from the token entropies `[S, T]` (0.0 on masked tokens), or none."""
+    if ent is None:
+        return {}
+    per_sequence = canonical.pair_sum(ent.detach())
+    return dict(token_entropy=ent.detach(), per_sequence_entropy=per_sequence,
+                entropy_token_mean=canonical.token_mean(per_sequence, counts))

@@ -14,14 +14,20 @@ from ..checks import check_inputs, check_logprobs
 
 
 def selected_logprobs(logits: torch.Tensor, action_ids: torch.Tensor, mask: torch.Tensor,
-                      inv_temperature: float = 1.0) -> torch.Tensor:
+                      inv_temperature: float = 1.0, entropy: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`log_softmax(logits * inv_temperature)[action]` in fp32 at active tokens, exactly 0.0 elsewhere; `[B, T]`.
-    `inv_temperature` is an fp32 value (`contract.inverse_temperature`); at 1.0 nothing is multiplied."""
+    `inv_temperature` is an fp32 value (`contract.inverse_temperature`); at 1.0 nothing is multiplied. `entropy`:
+    also each active token's entropy `-sum(p * log p)` (0.0 elsewhere), with its gradient."""
     rows = logits[mask].float()
     if inv_temperature != 1.0:
         rows = rows * canonical.fp32(inv_temperature, rows)
-    picked = torch.log_softmax(rows, dim=-1).gather(-1, action_ids[mask].long().unsqueeze(-1)).squeeze(-1)
-    return torch.zeros(mask.shape, dtype=torch.float32, device=logits.device).masked_scatter(mask, picked)
+    logp = torch.log_softmax(rows, dim=-1)
+    picked = logp.gather(-1, action_ids[mask].long().unsqueeze(-1)).squeeze(-1)
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    if not entropy:
+        return zeros.masked_scatter(mask, picked)
+    return zeros.masked_scatter(mask, picked), zeros.masked_scatter(mask, -(logp.exp() * logp).sum(-1))
 
 
 class NativeRatioKLOp:

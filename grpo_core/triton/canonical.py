@@ -150,40 +150,61 @@ def _pair_sum(x, N: tl.constexpr, LOG2N: tl.constexpr):
 
 
 @triton.jit
-def _merge(m, s, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
-    """`canonical.merge_stats` of `[R, N]` pairs (`N` a power of two, padded with `(-inf, 0)`): `[R]` each.
+def _merge(m, s, u, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr, ENTROPY: tl.constexpr):
+    """`canonical.merge_stats` of `[R, N]` pairs (`N` a power of two, padded with `(-inf, 0)`; ENTROPY: triples
+    with `u`, padded with 0): `[R]` each (`u` returned as given without ENTROPY).
 
     One exp per merge: the larger side's factor is exp(0) = 1 exactly, so `s1 * exp(m1 - M) + s2 * exp(m2 - M)`
-    has the bits of the larger side's `s` plus the other `s` times one exp."""
+    has the bits of the larger side's `s` plus the other `s` times one exp (and `u`'s terms likewise: the larger
+    side's `(u + s * 0) * 1`)."""
     for k in tl.static_range(LOG2N):
         m1, m2 = tl.split(tl.reshape(m, (R, N >> (k + 1), 2)))
         s1, s2 = tl.split(tl.reshape(s, (R, N >> (k + 1), 2)))
         m = _max(m1, m2)
-        e = exp_nonpos(_min(m1, m2) - tl.where(m == float("-inf"), 0.0, m))
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        e = exp_nonpos(_min(m1, m2) - shift)
+        if ENTROPY:
+            u1, u2 = tl.split(tl.reshape(u, (R, N >> (k + 1), 2)))
+            d1, d2 = m1 - shift, m2 - shift
+            e1, e2 = tl.where(m1 >= m2, 1.0, e), tl.where(m1 >= m2, e, 1.0)
+            u = (tl.where(s1 > 0.0, (u1 + s1 * d1) * e1, 0.0) + tl.where(s2 > 0.0, (u2 + s2 * d2) * e2, 0.0))
         s = tl.where(m1 >= m2, s1 + s2 * e, s1 * e + s2)
-    return tl.reshape(m, (R,)), tl.reshape(s, (R,))
+    if ENTROPY:
+        u = tl.reshape(u, (R,))
+    return tl.reshape(m, (R,)), tl.reshape(s, (R,)), u
 
 
 @triton.jit
-def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr,
-           SUM_PAIRS: tl.constexpr):
-    """`canonical.tile_stats` of the `NT` tiles from tile `start` of one row (its logits times `inv`, the inverse
-    temperature, with SCALE): `[NT]` maxima and sums. SUM_PAIRS adds each level's pairs with `tl.sum` over a
+def _tile_sums(e, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SUM_PAIRS: tl.constexpr):
+    """`canonical.pair_sum` of each of `NT` tiles `[NT, W]`. SUM_PAIRS adds each level's pairs with `tl.sum` over a
     dimension of two instead of `tl.split`: the same single add, in another register layout."""
-    cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
-    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    if SCALE:
-        x = x * inv
-    m = tl.reduce(x, 1, _max)  # exact in any order; NaN if the tile holds one (then the row raises)
-    m = tl.where(m == 0.0, 0.0, m)
-    e = exp_nonpos(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
     for k in tl.static_range(LOG2W):
         if SUM_PAIRS:
             e = tl.sum(tl.reshape(e, (NT, W >> (k + 1), 2)), 2)
         else:
             a, b = tl.split(tl.reshape(e, (NT, W >> (k + 1), 2)))
             e = a + b
-    return m, tl.reshape(e, (NT,))
+    return tl.reshape(e, (NT,))
+
+
+@triton.jit
+def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr,
+           SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
+    """`canonical.tile_stats` of the `NT` tiles from tile `start` of one row (its logits times `inv`, the inverse
+    temperature, with SCALE): `[NT]` maxima, sums and (ENTROPY, else 0) the entropy's sums."""
+    cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
+    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    if SCALE:
+        x = x * inv
+    m = tl.reduce(x, 1, _max)  # exact in any order; NaN if the tile holds one (then the row raises)
+    m = tl.where(m == 0.0, 0.0, m)
+    d = x - tl.where(m == float("-inf"), 0.0, m)[:, None]
+    e = exp_nonpos(d)
+    u = tl.zeros((NT,), tl.float32)
+    if ENTROPY:
+        u = e * d
+        u = _tile_sums(tl.where((e > 0.0) & (u != 0.0), u, 0.0), NT, W, LOG2W, SUM_PAIRS)  # -0.0 -> +0.0, as pair_sum
+    return m, _tile_sums(e, NT, W, LOG2W, SUM_PAIRS), u
 
 
 @triton.jit
@@ -195,14 +216,17 @@ def _lse(m, s):
 
 @triton.jit
 def _row(row_ptr, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr,
-         NT: tl.constexpr, SUM_PAIRS: tl.constexpr):
-    """One active row: its tiles' statistics to `m_ptr` (maxima) and `m_ptr + s_offset` (sums); returns the
-    selected logit (column `a`, 0.0 when this shard does not own it)."""
+         NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
+    """One active row: its tiles' statistics to `m_ptr` (maxima), `m_ptr + s_offset` (sums) and (ENTROPY)
+    `m_ptr + 2 * s_offset` (the entropy's sums); returns the selected logit (column `a`, 0.0 when this shard does
+    not own it)."""
     for c in range(0, tl.cdiv(tiles, NT)):
         t = c * NT + tl.arange(0, NT)
-        m, s = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE, SUM_PAIRS)
+        m, s, u = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE, SUM_PAIRS, ENTROPY)
         tl.store(m_ptr + t, m, mask=t < tiles)
         tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
+        if ENTROPY:
+            tl.store(m_ptr + 2 * s_offset + t, u, mask=t < tiles)
     z = tl.load(row_ptr + a, mask=(a >= 0) & (a < V), other=0.0).to(tl.float32)
     if SCALE:
         z = z * inv
@@ -215,7 +239,7 @@ def _row_kernel(
     ids_ptr,  # global action ids [N]
     mask_ptr,  # completion mask [N], nonzero = active
     sel_ptr,  # out: fp32 [2, N] = the selected logit of the policy and the reference rows (0.0 where not owned)
-    stats_ptr,  # out: fp32 [2 (policy, ref), 2 (max, sumexp), N, tiles] per-tile statistics (active rows only)
+    stats_ptr,  # out: fp32 [2 (policy, ref), P (max, sumexp[, entropy sums]), N, tiles] per-tile statistics
     N, V, stride_x, stride_r, lo, tiles,
     plane,  # N * tiles, the statistics of one (tensor, max / sum) (an int64 argument from 2**31 on)
     inv,  # the inverse temperature, fp32 (SCALE)
@@ -224,6 +248,7 @@ def _row_kernel(
     W: tl.constexpr, LOG2W: tl.constexpr,  # tile width (a power of two)
     NT: tl.constexpr,  # tiles per chunk
     SUM_PAIRS: tl.constexpr,  # `_tiles`; on the H200 faster for fp32 rows on 16-byte boundaries, slower otherwise
+    ENTROPY: tl.constexpr,  # the policy rows' entropy sums too (P = 3 planes per tensor, else 2)
 ):
     row = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)  # 0: the policy row, 1: the reference row (a program each)
@@ -233,41 +258,61 @@ def _row_kernel(
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         if which == 0:
             z = _row(x_ptr + row * stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT,
-                     SUM_PAIRS)
+                     SUM_PAIRS, ENTROPY)
         else:
-            z = _row(r_ptr + row * stride_r, a, stats_ptr + 2 * plane + row * tiles, plane, V, tiles, inv, SCALE, W,
-                     LOG2W, NT, SUM_PAIRS)
+            z = _row(r_ptr + row * stride_r, a, stats_ptr + (2 + ENTROPY) * plane + row * tiles, plane, V, tiles, inv,
+                     SCALE, W, LOG2W, NT, SUM_PAIRS, False)
     tl.store(sel_ptr + which * N + row, z)
 
 
 @triton.jit
+def _entropy(m, s, u):
+    """`canonical.entropy_of`: `log(S) - U / S`, NaN where `_lse` is."""
+    finite = (tl.abs(m) < float("inf")) & (s >= 1.0)
+    s = tl.where(finite, s, 1.0)
+    return tl.where(finite, log(s) - tl.math.div_rn(u, s), float("nan"))
+
+
+@triton.jit
 def _merge_kernel(
-    stats_ptr,  # fp32 [K, 2 (max, sumexp), N, tiles]: K tensors' per-tile statistics, tiles in global order
+    stats_ptr,  # fp32 [K, P, N, tiles]: K tensors' per-tile statistics (max, sumexp[, entropy sums]), global order
     mask_ptr,  # completion mask [N]
     lse_ptr,  # out: fp32 [K, N] (0.0 on masked rows)
+    ent_ptr,  # out (ENTROPY): fp32 [N], the first tensor's entropies (0.0 on masked rows)
     N, tiles,
     plane,  # N * tiles
     # Meta-parameters
     ROWS: tl.constexpr,  # rows per program
     BT: tl.constexpr, LOG2BT: tl.constexpr,  # tiles per loop iteration (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # loop iterations, padded to a power of two
+    ENTROPY: tl.constexpr,  # P = 3 (the first tensor's third plane holds the entropy sums), else 2
 ):
+    k = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    m_ptr = stats_ptr + tl.program_id(1).to(tl.int64) * 2 * plane
+    m_ptr = stats_ptr + k.to(tl.int64) * (2 + ENTROPY) * plane
     active = tl.load(mask_ptr + rows, mask=rows < N, other=0) != 0
     chunk = tl.arange(0, CHUNKS)[None, :]
     ms = tl.full((ROWS, CHUNKS), float("-inf"), tl.float32)
     ss = tl.zeros((ROWS, CHUNKS), tl.float32)
+    us = tl.zeros((ROWS, CHUNKS), tl.float32)
     for c in range(0, tl.cdiv(tiles, BT)):
         t = c * BT + tl.arange(0, BT)
         at = rows[:, None] * tiles + t[None, :]
         read = active[:, None] & (t < tiles)[None, :]
-        m, s = _merge(tl.load(m_ptr + at, mask=read, other=float("-inf")),
-                      tl.load(m_ptr + plane + at, mask=read, other=0.0), ROWS, BT, LOG2BT)
+        u = tl.zeros((ROWS, BT), tl.float32)
+        if ENTROPY:
+            u = tl.load(m_ptr + 2 * plane + at, mask=read, other=0.0)
+        m, s, u = _merge(tl.load(m_ptr + at, mask=read, other=float("-inf")),
+                         tl.load(m_ptr + plane + at, mask=read, other=0.0), u, ROWS, BT, LOG2BT, ENTROPY)
         ms = tl.where(chunk == c, m[:, None], ms)
         ss = tl.where(chunk == c, s[:, None], ss)
-    m, s = _merge(ms, ss, ROWS, CHUNKS, LOG2C)
-    tl.store(lse_ptr + tl.program_id(1).to(tl.int64) * N + rows, tl.where(active, _lse(m, s), 0.0), mask=rows < N)
+        if ENTROPY:
+            us = tl.where(chunk == c, u[:, None], us)
+    m, s, u = _merge(ms, ss, us, ROWS, CHUNKS, LOG2C, ENTROPY)
+    tl.store(lse_ptr + k.to(tl.int64) * N + rows, tl.where(active, _lse(m, s), 0.0), mask=rows < N)
+    if ENTROPY:
+        if k == 0:
+            tl.store(ent_ptr + rows, tl.where(active, _entropy(m, s, u), 0.0), mask=rows < N)
 
 
 @triton.jit
@@ -498,6 +543,8 @@ def _grad_kernel(
     lse_ptr,  # fp32 [N] the policy rows' log-sum-exp over the whole vocabulary
     g_out_ptr,  # fp32 [1] d(output) / d(loss)
     coef_ptr,  # fp32 [N] d loss / d logp per token (GIVEN_COEF: `canonical.sequence_coef`, GSPO's)
+    ch_ptr,  # fp32 [N] each token's weight in the entropy bonus, times d(output) / d(loss) (ENTROPY)
+    ent_ptr,  # fp32 [N] each token's entropy (ENTROPY)
     g_ptr,  # out: gradient [N, V] in the logits' dtype (BF16_BITS: its int16 view), rows `stride_g` apart
     T, V, stride_x, stride_g, lo, clip_lo, clip_hi, beta, delta, tau_pos, tau_neg,
     inv,  # the inverse temperature, fp32 (SCALE)
@@ -510,6 +557,7 @@ def _grad_kernel(
     TOKEN_ADV: tl.constexpr,
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops (round to nearest even, as torch does)
+    ENTROPY: tl.constexpr,  # plus the entropy bonus's term `ch * (p * ((z - lse) + h))` (`write_grad`'s)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -553,6 +601,13 @@ def _grad_kernel(
             coef = (coef * tl.load(w_ptr + seq)) * tl.load(g_out_ptr)
         if SCALE:
             coef = coef * inv
+        ch = 0.0
+        h = 0.0
+        if ENTROPY:
+            ch = tl.load(ch_ptr + row)
+            if SCALE:
+                ch = ch * inv
+            h = tl.load(ent_ptr + row)
         lse = tl.load(lse_ptr + row)
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         x_row = x_ptr + row * stride_x
@@ -562,7 +617,11 @@ def _grad_kernel(
             if SCALE:
                 x = x * inv
             onehot = tl.where(c == a, 1.0, 0.0)
-            grad = coef * (onehot - exp_nonpos(x - lse))
+            lp = x - lse
+            p = exp_nonpos(lp)
+            grad = coef * (onehot - p)
+            if ENTROPY:
+                grad = grad + ch * (p * (lp + h))
             if BF16_BITS:
                 b = grad.to(tl.int32, bitcast=True)
                 tl.store(g_row + c, ((b + (0x7FFF + ((b >> 16) & 1))) >> 16).to(tl.int16), mask=c < V)
@@ -617,40 +676,44 @@ def sigmoid_of(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor, lo: int,
-              width: int, inv: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+              width: int, inv: float = 1.0, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over each active row of `[n, T, V_local]` logits (policy and reference, a program each), scaled by
     `inv` (the fp32 inverse temperature; 1.0: not scaled): `(selected, stats)`, fp32 `[2, n * T]` selected logits
     (0.0 where this shard does not own the id) and `[2, 2, n * T, tiles]` per-tile `(max, sumexp)` of the policy
-    and the reference rows (without a reference, only `[0]` of each is written)."""
+    and the reference rows (without a reference, only `[0]` of each is written). `entropy`: `[2, 3, n * T, tiles]`,
+    the policy's third plane its tiles' entropy sums (`canonical.tile_stats(..., entropy=True)`)."""
     x = _rows2d(policy)
     r = _rows2d(ref) if ref is not None else x
     N, V = x.shape
     tiles = -(-V // width)
     sel = torch.empty(2, N, dtype=torch.float32, device=x.device)
-    stats = torch.empty(2, 2, N, tiles, dtype=torch.float32, device=x.device)
+    stats = torch.empty(2, 2 + entropy, N, tiles, dtype=torch.float32, device=x.device)
     if N:
         pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width),
             NT=max(1, min(CHUNK // width, triton.next_power_of_2(tiles))),
             SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for t in (x, r)),
-            **_fp(ROW_WARPS))
+            ENTROPY=entropy, **_fp(ROW_WARPS))
     return sel, stats
 
 
-def merge_lse(stats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """lse `[K, N]` (0.0 on masked rows) from the per-tile statistics `[K, 2, N, tiles]` (global tile order) of K
-    tensors' rows."""
+    tensors' rows. `entropy` (`[K, 3, N, tiles]`): `(lse, the first tensor's entropies [N])`
+    (`canonical.entropy_of`)."""
     K, _, N, tiles = stats.shape
     lse = torch.empty(K, N, dtype=torch.float32, device=stats.device)
+    ent = torch.empty(N, dtype=torch.float32, device=stats.device)
     bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)))
     rows = min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1)))
     chunks = triton.next_power_of_2(-(-tiles // bt))
     if N and K:
-        _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, N, tiles,
-                                                 N * tiles, ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks,
-                                                 LOG2C=_log2(chunks), **_fp())
-    return lse
+        _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, ent, N,
+                                                 tiles, N * tiles, ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks,
+                                                 LOG2C=_log2(chunks), ENTROPY=entropy, **_fp())
+    return (lse, ent) if entropy else lse
 
 
 def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.Tensor, mask: torch.Tensor,
@@ -722,12 +785,14 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
          grad_loss: torch.Tensor, lo: int, clip_lo: float, clip_hi: float, beta: float, inv: float = 1.0,
          out: torch.Tensor | None = None, delta: float | None = None, is_ratio: torch.Tensor | None = None,
          bias_kl: bool = False, surrogate: Surrogate = Surrogate.CLIPPED, taus: tuple[float, float] | None = None,
-         coef: torch.Tensor | None = None) -> torch.Tensor:
+         coef: torch.Tensor | None = None, entropy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`d loss / d policy` `[n, T, V_local]` in the logits' dtype (exact zeros on masked rows); `adv` `[n]` or
     `[n, T]`; `inv` the fp32 inverse temperature; `delta`, `is_ratio` (fp32, a weight per token), `bias_kl`,
     `surrogate` and `taus` as in `canonical.token_coef`. `out`: `[n * T, V_local]` rows to write instead (any dtype
     and row stride; never the logits' own bytes: a program's threads do not read a row in step with its writes).
-    `coef` (fp32 `[n, T]`, weighted: `canonical.sequence_coef`): each token's `d loss / d logp` as given."""
+    `coef` (fp32 `[n, T]`, weighted: `canonical.sequence_coef`): each token's `d loss / d logp` as given. `entropy`
+    (`(coef_h, h)`, fp32 `[n * T]` each): the entropy bonus's weight per token (times `grad_loss`) and the entropies,
+    `write_grad`'s term."""
     x = _rows2d(policy)
     N, V = x.shape
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device) if out is None else out
@@ -738,11 +803,12 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             (logp_ref if logp_ref is not None else logp).contiguous(), old.to(torch.float32).contiguous(),
             adv.contiguous(), weights.contiguous(), logp if is_ratio is None else is_ratio.contiguous(),
             lse.contiguous(), grad_loss.to(torch.float32).reshape(1), lse if coef is None else coef.contiguous(),
+            *((lse, lse) if entropy is None else (t.contiguous() for t in entropy)),
             g.view(torch.int16) if bf16_bits else g,
             mask.shape[-1], V, x.stride(0), g.stride(0), lo, clip_lo, clip_hi, beta,
             math.inf if delta is None else delta, *(taus or (1.0, 1.0)), inv, HAS_REF=logp_ref is not None,
             HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=SURROGATES[surrogate], GIVEN_COEF=coef is not None,
             TOKEN_ADV=adv.dim() == 2,
-            SCALE=inv != 1.0, BF16_BITS=bf16_bits,
+            SCALE=inv != 1.0, BF16_BITS=bf16_bits, ENTROPY=entropy is not None,
             BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)), **_fp())
     return g.view(policy.shape)

@@ -246,7 +246,8 @@ _SCALE = twins(_scale_rows_kernel, ["V", "stride"])
 
 def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std, lo, hi, beta, inv,
              single_pass, means, denom, constant, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
-             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None, sequence=False, weigh=None, sampling=None):
+             surrogate=0, tau_pos=1.0, tau_neg=1.0, grad=None, sequence=False, weigh=None, sampling=None,
+             entropy=False):
     """All launches of the forward: `(out [3, N] per-token log-probs, adv [B] or [B, T], weight [B], scalars [3] =
     loss, policy_loss, kl, flags int32 [1 + B] ([0]: any bad value), grad)`. `source`: the rewards, or the given
     advantages `[B]` / `[B, T]` when `bounds` and `group_of` are None. `ref_logps` (fp32 `[B * T]`, in place of
@@ -258,7 +259,9 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
     returned in the place of `grad`. `weigh` (two-pass only): `(logp [B, T], adv, is_ratio [B, T] or None) ->
     weights [B, T]`, the importance weights from whole sequences (the off-policy mask, vespo's gamma weight:
     `canonical.importance_weights`), computed once the advantages and the log-probs are known and returned last;
-    `sampling` (the off-policy mask's fp32 `[B * T]` sampler log-probs): flagged where +-inf at an active token."""
+    `sampling` (the off-policy mask's fp32 `[B * T]` sampler log-probs): flagged where +-inf at an active token.
+    `entropy` (two-pass only): `out` is `[4, N]`, the policy rows' entropies last, and `weigh` takes them as its
+    fourth argument (`[B, T]`)."""
     B, T, V = policy.shape
     dev = policy.device
     ids, mask = flat(ids), flat(mask)
@@ -274,7 +277,7 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
     def rows_kernel():
         return launch_forward(launch, policy, ref, ids, mask, None, old, adv, weight,
                               grad if single_pass else None, lo, hi, beta, inv, ref_logps, delta,
-                              is_ratio, bias_kl, surrogate, (tau_pos, tau_neg))
+                              is_ratio, bias_kl, surrogate, (tau_pos, tau_neg), entropy)
 
     def sequences(out, sums, ratio=None):
         launch(_sequence_kernel)[(B,)](
@@ -294,7 +297,9 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
         grad = sequence_ratio(out[0], old, mask, B)
     given_is = is_ratio
     if weigh is not None:
-        is_ratio = weigh(out[0].view(B, T), adv, None if is_ratio is None else is_ratio.view(B, T)).reshape(-1)
+        is_ratio = weigh(out[0].view(B, T), adv, None if is_ratio is None else is_ratio.view(B, T),
+                         out[3].view(B, T) if entropy else None)
+        is_ratio = None if is_ratio is None else is_ratio.reshape(-1)
     sequences(out, True, grad if sequence else None)
     # flagged like the other inputs: a +-inf sampling log-prob at an active token, and a bad given importance weight
     # where the kernel reads the computed weights instead
@@ -345,26 +350,27 @@ class _GRPOLoss(torch.autograd.Function):
     second pass over the policy rows (two pass), scaled by `grad_output` in either case."""
 
     @staticmethod
-    def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, is_ratio, opts, sequence=None):
+    def forward(ctx, policy, loss, grad, ids, mask, out, old, adv, weight, is_ratio, opts, sequence=None,
+                entropy_weight=None):
         ctx.opts = opts  # lo, hi, beta, has_ref, inv, delta, bias_kl, surrogate, tau_pos, tau_neg
         ctx.sequence = sequence  # GSPO: the surrogate, and `grad` holds the sequence ratios
-        ctx.save_for_backward(policy, grad, ids, mask, out, old, adv, weight, is_ratio)
+        ctx.save_for_backward(policy, grad, ids, mask, out, old, adv, weight, is_ratio, entropy_weight)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        policy, grad, ids, mask, out, old, adv, weight, is_ratio = ctx.saved_tensors
+        policy, grad, ids, mask, out, old, adv, weight, is_ratio, ent_w = ctx.saved_tensors
         grad_loss = grad_loss.float().reshape(1)
         if ctx.sequence is not None:
             grad = _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, grad, grad_loss, ctx.opts,
-                                  ctx.sequence)
+                                  ctx.sequence, ent_w)
         elif grad.numel() == 0:  # two pass
             if torch.compiler.is_compiling():
                 grad = grpo_backward(policy, ids, mask, out, old, adv, weight, is_ratio, grad_loss, *ctx.opts)
             else:
                 *rest, delta, bias_kl, surrogate, tau_pos, tau_neg = ctx.opts  # rest: lo, hi, beta, has_ref, inv
                 grad = launch_grad(lambda k: k, policy, ids, mask, out, grad_loss, old, adv, weight, *rest, delta,
-                                   is_ratio, bias_kl, surrogate, (tau_pos, tau_neg))
+                                   is_ratio, bias_kl, surrogate, (tau_pos, tau_neg), ent_w)
         elif torch.compiler.is_compiling():
             grad = grad * grad_loss.to(grad.dtype)
         else:  # scaled in place by a kernel that does nothing when grad_loss == 1: no device sync, no extra pass
@@ -376,10 +382,11 @@ class _GRPOLoss(torch.autograd.Function):
             if g.shape[0] > 0:
                 pick(_SCALE, g.shape[1], g.stride(0))[(g.shape[0],)](g, grad_loss, g.shape[1], g.stride(0),
                                                                      BLOCK=block(g.shape[1]))
-        return (grad,) + (None,) * 11
+        return (grad,) + (None,) * 12
 
 
-def _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, ratio, grad_loss, opts, surrogate) -> torch.Tensor:
+def _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, ratio, grad_loss, opts, surrogate,
+                   ent_w=None) -> torch.Tensor:
     """GSPO's backward: `canonical.sequence_coef` (with torch's exp and sigmoid) from the saved log-probs and sequence
     ratios, then the second pass with that coefficient per token."""
     lo, hi, beta, has_ref, inv, delta, bias_kl, _, tau_pos, tau_neg = opts
@@ -391,7 +398,8 @@ def _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, ratio, grad_lo
                                    None if is_ratio is None else is_ratio.view(B, T), bias_kl, surrogate,
                                    (tau_pos, tau_neg) if surrogate is Surrogate.SAPO else None, exp=torch.exp,
                                    sigmoid=torch.sigmoid)
-    return launch_grad(lambda k: k, policy, ids, mask, out, coef * grad_loss, inv=inv)
+    return launch_grad(lambda k: k, policy, ids, mask, out, coef * grad_loss, inv=inv,
+                       entropy_weight=None if ent_w is None else ent_w * grad_loss)
 
 
 class TritonGRPOLossOp:
@@ -432,7 +440,8 @@ class TritonGRPOLossOp:
                  importance_sampling_level: str = "token", off_policy_mask_threshold: float | None = None,
                  sampling_logps: torch.Tensor | None = None, vespo_k_pos: float | None = None,
                  vespo_lambda_pos: float | None = None, vespo_k_neg: float | None = None,
-                 vespo_lambda_neg: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 vespo_lambda_neg: float | None = None, entropy_coef: float = 0.0,
+                 top_entropy_quantile: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():
             pending.poll()
         o = loss_options(policy_logits, ref_logits, action_ids, old_logps, rewards, completion_mask, clip_eps, beta,
@@ -445,13 +454,16 @@ class TritonGRPOLossOp:
                          importance_sampling_level=importance_sampling_level,
                          off_policy_mask_threshold=off_policy_mask_threshold, sampling_logps=sampling_logps,
                          vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-                         vespo_lambda_neg=vespo_lambda_neg)
-        whole_sequence = o.sequence_level or o.off_policy is not None or o.gamma is not None  # eager, two-pass
+                         vespo_lambda_neg=vespo_lambda_neg, entropy_coef=entropy_coef,
+                         top_entropy_quantile=top_entropy_quantile)
+        weighed = o.off_policy is not None or o.gamma is not None or o.top_entropy < 1.0
+        whole_sequence = o.sequence_level or weighed or o.entropy  # eager, two-pass
         if whole_sequence and (single_pass or inplace):
             raise LossContractError("single_pass / inplace: expected False with importance_sampling_level='sequence', "
-                                    "off_policy_mask_threshold or loss_type='vespo' (each token's gradient needs its "
-                                    "sequence's ratio, mask or gamma weight, known only once every token of the "
-                                    "sequence has been read)")
+                                    "off_policy_mask_threshold, loss_type='vespo', entropy_coef or "
+                                    "top_entropy_quantile (each token's gradient needs its sequence's ratio, mask or "
+                                    "gamma weight, or the batch's entropies, known only once every token has been "
+                                    "read)")
         wants_grad = policy_logits.requires_grad and torch.is_grad_enabled()
         single = wants_grad and (bool(single_pass) or inplace)
         if inplace and not wants_grad:
@@ -480,22 +492,31 @@ class TritonGRPOLossOp:
             out, adv, weight, scalars, flags, grad = grpo_forward(x, *args)
         else:  # GSPO: `grad` holds the tokens' sequence ratios; the off-policy mask, vespo: the importance weights
             sampling = None if sampling_logps is None else flat(sampling_logps.detach().float())
+            keep = o.mask
 
-            def weigh(logp, adv, is_ratio):
+            def weigh(logp, adv, is_ratio, ent):
+                nonlocal keep
+                if ent is not None:
+                    keep = canonical.entropy_keep(ent, o.mask, o.top_entropy)
                 return canonical.importance_weights(logp, old.view(B, T), adv, o.mask, is_ratio, o.off_policy,
                                                     None if sampling is None else sampling.view(B, T), o.gamma,
-                                                    exp_of)[0]
+                                                    exp_of, None if o.top_entropy == 1.0 else keep)[0]
             out, adv, weight, scalars, flags, grad, is_ratio = _forward(
                 lambda k: k, x, *args, sequence=o.sequence_level, sampling=sampling,
-                weigh=weigh if o.off_policy is not None or o.gamma is not None else None)
+                weigh=weigh if weighed or o.entropy else None, entropy=o.entropy)
         check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
                            old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
                            out[1].view(B, T) if has_ref else None, advantages,
                            None if advantages is not None else (o.groups, o.std), scalars[0], ref_logps,
                            importance_sampling_ratio, sampling_logps)
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
+        ent_w = None
+        if o.entropy_coef != 0.0:  # TRL's entropy bonus (`canonical.entropy_bonus`), with torch's sum
+            ent = out[3].view(B, T)
+            bonus, w_h = canonical.entropy_bonus(torch.where(keep, ent, 0.0).sum(-1), keep.sum(-1), o.entropy_coef)
+            loss, ent_w = loss - bonus, torch.where(keep, w_h, 0.0).reshape(-1)
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
                                    is_ratio, (*clip, has_ref, inv, delta, o.bias_kl, *surrogate),
-                                   o.surrogate if o.sequence_level else None)
+                                   o.surrogate if o.sequence_level else None, ent_w)
         return loss, policy_loss, kl

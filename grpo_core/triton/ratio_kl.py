@@ -50,10 +50,17 @@ def _scaled(x, inv, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _online_update(x, m, s):
+def _online_update(x, m, s, u, ENTROPY: tl.constexpr = False):
+    """One chunk `x` into the running max `m` and `sum exp(x - m)` `s`; ENTROPY: and `u = sum exp(x - m) (x - m)`
+    (`canonical.tile_stats`' entropy sum, online: the old sums move to the new max before the chunk's add)."""
     m_new = tl.maximum(m, tl.max(x, 0))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of -inf logits adds 0, not NaN
-    return m_new, s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
+    a = tl.exp(m - shift)
+    d = x - shift
+    e = tl.exp(d)
+    if ENTROPY:
+        u = tl.where(s > 0.0, (u + s * (m - shift)) * a, 0.0) + tl.sum(tl.where(e > 0.0, e * d, 0.0), 0)
+    return m_new, s * a + tl.sum(e, 0), u
 
 
 @triton.jit
@@ -69,17 +76,19 @@ def _aligned_row(ptr, row, stride, VEC: tl.constexpr):
 
 @triton.jit
 def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF: tl.constexpr, SCALE: tl.constexpr,
-              VEC_X: tl.constexpr, VEC_R: tl.constexpr, BLOCK: tl.constexpr):
+              VEC_X: tl.constexpr, VEC_R: tl.constexpr, BLOCK: tl.constexpr, ENTROPY: tl.constexpr = False):
     """Online log-sum-exp of the policy row (and the reference row, in the same loop) in fp32, of the logits
     times `inv` with SCALE: one exp per element, one rescale per chunk. Both rows stream together, so twice the
     bytes are in flight per step. Chunks start at 16-byte boundaries: the body loads are unmasked aligned vectors;
     the few columns before the row (first chunk, in bounds: the previous row) count as -inf, and the tail is read
-    in small masked chunks."""
+    in small masked chunks. Returns `(lse, lse_ref, entropy)` (ENTROPY: the policy row's `log s - u / s`, else 0)."""
     cols = tl.arange(0, BLOCK)
     x_base, sx = _aligned_row(x_ptr, row, stride_x, VEC_X)
     r_base, sr = _aligned_row(r_ptr, row, stride_r, VEC_R)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
+    u = tl.zeros((), tl.float32)
+    u_ref = tl.zeros((), tl.float32)
     m_ref = tl.zeros((), tl.float32)
     s_ref = tl.full((), 1.0, tl.float32)
     if HAS_REF:
@@ -90,14 +99,14 @@ def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF: tl.constex
         x = tl.where(cols >= sx, _scaled(tl.load(x_base + cols), inv, SCALE), float("-inf"))
         if HAS_REF:
             r = tl.where(cols >= sr, _scaled(tl.load(r_base + cols), inv, SCALE), float("-inf"))
-            m_ref, s_ref = _online_update(r, m_ref, s_ref)
-        m, s = _online_update(x, m, s)
+            m_ref, s_ref, u_ref = _online_update(r, m_ref, s_ref, u_ref)
+        m, s, u = _online_update(x, m, s, u, ENTROPY)
     for k in range(1, full):  # unmasked, aligned
         offs = k * BLOCK + cols
         x = _scaled(tl.load(x_base + offs), inv, SCALE)
         if HAS_REF:
-            m_ref, s_ref = _online_update(_scaled(tl.load(r_base + offs), inv, SCALE), m_ref, s_ref)
-        m, s = _online_update(x, m, s)
+            m_ref, s_ref, u_ref = _online_update(_scaled(tl.load(r_base + offs), inv, SCALE), m_ref, s_ref, u_ref)
+        m, s, u = _online_update(x, m, s, u, ENTROPY)
     SUB: tl.constexpr = 256 if BLOCK > 256 else BLOCK
     tail = tl.arange(0, SUB)
     for start in range(full * BLOCK, V + tl.maximum(sx, sr), SUB):  # small masked chunks: few registers
@@ -105,9 +114,12 @@ def _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, HAS_REF: tl.constex
         x = _scaled(tl.load(x_base + offs, mask=(offs >= sx) & (offs < V + sx), other=float("-inf")), inv, SCALE)
         if HAS_REF:
             r = _scaled(tl.load(r_base + offs, mask=(offs >= sr) & (offs < V + sr), other=float("-inf")), inv, SCALE)
-            m_ref, s_ref = _online_update(r, m_ref, s_ref)
-        m, s = _online_update(x, m, s)
-    return m + tl.log(s), m_ref + tl.log(s_ref)
+            m_ref, s_ref, u_ref = _online_update(r, m_ref, s_ref, u_ref)
+        m, s, u = _online_update(x, m, s, u, ENTROPY)
+    ent = tl.zeros((), tl.float32)
+    if ENTROPY:
+        ent = tl.log(s) - u / s
+    return m + tl.log(s), m_ref + tl.log(s_ref), ent
 
 
 @triton.jit
@@ -144,7 +156,7 @@ def _token_coef(logp, logp_ref, old, adv, weight, lo, hi, beta, delta, w_is, tau
 
 @triton.jit
 def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv, SCALE: tl.constexpr,
-                MASKED: tl.constexpr, BLOCK: tl.constexpr):
+                MASKED: tl.constexpr, BLOCK: tl.constexpr, ch=0.0, h=0.0, ENTROPY: tl.constexpr = False):
     offs = start + tl.arange(0, BLOCK)
     c = offs - shift  # column
     if MASKED:  # the head (columns before the row belong to the previous row) and the tail
@@ -153,7 +165,12 @@ def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv,
     else:
         x = _scaled(tl.load(x_base + offs, mask=tl.arange(0, BLOCK) < tl.where(active, BLOCK, 0), other=0.0), inv,
                     SCALE)
-    grad = tl.where(active, coef * (tl.where(c == action, 1.0, 0.0) - tl.exp(x - lse)), 0.0)
+    lp = x - lse
+    p = tl.exp(lp)
+    grad = coef * (tl.where(c == action, 1.0, 0.0) - p)
+    if ENTROPY:
+        grad = grad + ch * (p * (lp + h))
+    grad = tl.where(active, grad, 0.0)
     if MASKED:
         tl.store(g_base + offs, grad.to(g_base.dtype.element_ty), mask=inside)
     else:
@@ -162,42 +179,47 @@ def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv,
 
 @triton.jit
 def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, inv, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-              SUB: tl.constexpr):
+              SUB: tl.constexpr, ch=0.0, h=0.0, ENTROPY: tl.constexpr = False):
     """Offsets `[shift, V + shift)` from the aligned bases hold the row: a masked `SUB`-wide head when the row
     does not start on a boundary, unmasked aligned `BLOCK`-wide chunks, unmasked `SUB`-wide ones, and one masked
     `SUB`-wide end (masked chunks are scalar loads and stores, so they are kept small)."""
     end = V + shift
     head = tl.where(shift == 0, 0, SUB)
     if shift != 0:
-        _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, inv, SCALE, True, SUB)
+        _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, inv, SCALE, True, SUB, ch, h, ENTROPY)
     full = tl.maximum(end - head, 0) // BLOCK
     for k in range(0, full):
-        _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, inv, SCALE, False, BLOCK)
+        _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, inv, SCALE, False, BLOCK,
+                    ch, h, ENTROPY)
     start = head + full * BLOCK
     subs = tl.maximum(end - start, 0) // SUB
     for j in range(0, subs):
-        _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, inv, SCALE, False, SUB)
+        _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, inv, SCALE, False, SUB, ch,
+                    h, ENTROPY)
     if start + subs * SUB < end:
-        _grad_chunk(x_base, g_base, start + subs * SUB, shift, V, lse, coef, action, active, inv, SCALE, True, SUB)
+        _grad_chunk(x_base, g_base, start + subs * SUB, shift, V, lse, coef, action, active, inv, SCALE, True, SUB,
+                    ch, h, ENTROPY)
 
 
 @triton.jit
 def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE: tl.constexpr,
-                VEC: tl.constexpr, BLOCK: tl.constexpr):
+                VEC: tl.constexpr, BLOCK: tl.constexpr, ch=0.0, h=0.0, ENTROPY: tl.constexpr = False):
     """`coef * (onehot(action) - exp(x - lse))` in the gradient's dtype for one row, times `inv` with SCALE (`x`:
     the logits times `inv`); exact zeros (and no reads) when not active. Chunks follow the gradient row's 16-byte
     boundaries (aligned, unmasked vector stores in the body); the policy row's loads are aligned too when its start
-    sits at the same offset from a boundary."""
+    sits at the same offset from a boundary. ENTROPY: plus `ch * (p * (log p + h))`, the entropy bonus's term."""
     SUB: tl.constexpr = 256 if BLOCK > 256 else BLOCK
     if SCALE:
         coef = coef * inv
+        ch = ch * inv
     g_base, shift = _aligned_row(g_ptr, row, stride_g, VEC)
     x_start = row * stride_x
     if x_start % VEC == shift:
         _grad_row(x_ptr + tl.multiple_of(x_start - shift, VEC), g_base, shift, V, lse, coef, action, active, inv,
-                  SCALE, BLOCK, SUB)
+                  SCALE, BLOCK, SUB, ch, h, ENTROPY)
     else:  # x_start >= row * stride_g >= shift (the gradient rows are packed), so never before x_ptr
-        _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, inv, SCALE, BLOCK, SUB)
+        _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, inv, SCALE, BLOCK, SUB, ch,
+                  h, ENTROPY)
 
 
 def _logprob_fwd_kernel(
@@ -206,7 +228,7 @@ def _logprob_fwd_kernel(
     #         (HAS_REF and not REF_ROWS)
     ids_ptr,  # action ids [N]
     mask_ptr,  # completion mask [N], nonzero = active
-    out_ptr,  # out: fp32 [3, N] = logp, logp_ref, lse (0.0 on masked tokens)
+    out_ptr,  # out: fp32 [3, N] = logp, logp_ref, lse (0.0 on masked tokens); ENTROPY: [4, N], the entropies last
     err_ptr,  # out: int32 [1], set to 1 when an active id is outside [0, V) (FLAG_IDS)
     old_ptr,  # old log-probs [N] fp32 (SINGLE_PASS)
     adv_ptr,  # advantages [N // T] fp32 (SINGLE_PASS; TOKEN_ADV: [N], one per token)
@@ -230,6 +252,7 @@ def _logprob_fwd_kernel(
     VEC_X: tl.constexpr,  # elements per 16 bytes of the policy logits (and of the gradient)
     VEC_R: tl.constexpr,  # ... of the reference logits
     BLOCK: tl.constexpr,
+    ENTROPY: tl.constexpr = False,  # the policy rows' entropies too (two pass only)
 ):
     row = tl.program_id(0).to(tl.int64)
     lo, hi, beta, inv = _f32(lo), _f32(hi), _f32(beta), _f32(inv)  # Inductor: fp64
@@ -245,8 +268,10 @@ def _logprob_fwd_kernel(
     logp = tl.zeros((), tl.float32)
     logp_ref = tl.zeros((), tl.float32)
     lse = tl.zeros((), tl.float32)
+    ent = tl.zeros((), tl.float32)
     if active:
-        lse, lse_ref = _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, REF_ROWS, SCALE, VEC_X, VEC_R, BLOCK)
+        lse, lse_ref, ent = _rows_lse(x_ptr, r_ptr, row, stride_x, stride_r, V, inv, REF_ROWS, SCALE, VEC_X, VEC_R,
+                                      BLOCK, ENTROPY)
         logp = _scaled(tl.load(x_row + action), inv, SCALE) - lse
         if HAS_REF:
             if REF_ROWS:
@@ -256,6 +281,8 @@ def _logprob_fwd_kernel(
     tl.store(out_ptr + row, logp)
     tl.store(out_ptr + N + row, logp_ref)
     tl.store(out_ptr + 2 * N + row, lse)
+    if ENTROPY:
+        tl.store(out_ptr + 3 * N + row, ent)
     if SINGLE_PASS:
         seq = row // T
         adv = tl.load(adv_ptr + row) if TOKEN_ADV else tl.load(adv_ptr + seq)
@@ -275,6 +302,7 @@ def _logprob_grad_kernel(
     adv_ptr,  # advantages [N // T] fp32 (GRPO coefficient; TOKEN_ADV: [N], one per token)
     w_ptr,  # normalizer weight per sequence [N // T] fp32 (GRPO coefficient)
     is_ptr,  # importance weights [N] fp32 (GRPO coefficient, HAS_IS)
+    ch_ptr,  # the entropy bonus's weight per token [N] fp32 (ENTROPY; scaled like the coefficient)
     g_ptr,  # out: gradient [N, V], rows `stride_g` apart
     N, T, V, stride_x, stride_g,
     lo, hi, beta, delta, tau_pos, tau_neg, inv,  # lo, hi: the ratio's bounds; delta: +inf without one; tau_*: SAPO's
@@ -289,6 +317,7 @@ def _logprob_grad_kernel(
     SCALE: tl.constexpr,  # temperature != 1: d loss / d x = inv * d loss / d (x * inv)
     VEC: tl.constexpr,  # elements per 16 bytes of the logits and the gradient
     BLOCK: tl.constexpr,
+    ENTROPY: tl.constexpr = False,  # out_ptr is [4, N] (the entropies last): plus the entropy bonus's term
 ):
     row = tl.program_id(0).to(tl.int64)
     lo, hi, beta, inv = _f32(lo), _f32(hi), _f32(beta), _f32(inv)  # Inductor: fp64
@@ -306,7 +335,15 @@ def _logprob_grad_kernel(
         coef = _token_coef(logp, tl.load(out_ptr + N + row), tl.load(old_ptr + row), adv, tl.load(w_ptr + seq),
                            lo, hi, beta, delta, w_is, tau_pos, tau_neg, HAS_REF, HAS_IS, BIAS_KL, SURROGATE
                            ) * tl.load(coef_ptr)
-    _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC, BLOCK)
+    ch = tl.zeros((), tl.float32)
+    h = tl.zeros((), tl.float32)
+    if ENTROPY:
+        ch = tl.load(ch_ptr + row)
+        if not COEF_FROM_PTR:
+            ch = ch * tl.load(coef_ptr)
+        h = tl.load(out_ptr + 3 * N + row)
+    _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC, BLOCK, ch, h,
+                ENTROPY)
 
 
 _FWD = twins(_logprob_fwd_kernel, ["V", "stride_x", "stride_r", "stride_g"])
@@ -331,17 +368,18 @@ def block(V: int) -> int:
 
 def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, lo=0.0,
                    hi=0.0, beta=0.0, inv=1.0, ref_logps=None, delta=math.inf, is_ratio=None, bias_kl=False,
-                   surrogate=0, taus=(1.0, 1.0)) -> torch.Tensor:
+                   surrogate=0, taus=(1.0, 1.0), entropy: bool = False) -> torch.Tensor:
     """Runs the forward kernel (`launch` is `wrap_triton` inside a triton_op, identity outside one): per-token
     `[3, N]` log-probs of the logits times `inv` (the fp32 inverse temperature); `err [1]` (int32, zeroed by the
     caller; or None) is set to 1 when an active id is out of range. Single pass (`grad`): `adv` is `[B]` or `[B, T]`
     (one per token), `delta` (+inf: none), `is_ratio` (fp32 `[N]` or None) and `bias_kl` as in
-    `canonical.token_coef`. `ref_logps` (fp32 `[B, T]`, in place of `ref`): the reference's log-probs as given."""
+    `canonical.token_coef`. `ref_logps` (fp32 `[B, T]`, in place of `ref`): the reference's log-probs as given.
+    `entropy` (two pass): `[4, N]`, the policy rows' entropies last."""
     x = rows(policy)
     r = rows(ref) if ref is not None else x
     given = flat(ref_logps) if ref_logps is not None else None
     N, V = x.shape
-    out = torch.empty(3, N, dtype=torch.float32, device=x.device)
+    out = torch.empty(3 + entropy, N, dtype=torch.float32, device=x.device)
     single = grad is not None
     g = grad.view(N, V) if single else x
     if N == 0 or V == 0:  # T = 0, or V = 0 (no token can be active): nothing to read
@@ -354,16 +392,17 @@ def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weig
         HAS_IS=single and is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=surrogate, REF_ROWS=ref is not None,
         SINGLE_PASS=single,
         TOKEN_ADV=single and adv.dim() == 2, SCALE=inv != 1.0, FLAG_IDS=err is not None, VEC_X=16 // x.element_size(),
-        VEC_R=16 // r.element_size(), BLOCK=block(V), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        VEC_R=16 // r.element_size(), BLOCK=block(V), ENTROPY=entropy, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
 def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight=None, lo=0.0, hi=0.0,
                 beta=0.0, has_ref=False, inv=1.0, delta=math.inf, is_ratio=None, bias_kl=False, surrogate=0,
-                taus=(1.0, 1.0)) -> torch.Tensor:
+                taus=(1.0, 1.0), entropy_weight=None) -> torch.Tensor:
     """Second pass: the gradient `[B, T, V]` in the logits dtype. `coef` is per token `[B, T]`, or, with `old` /
     `adv` (`[B]` or `[B, T]`) / `weight`, the scalar `d loss / d loss` that scales the in-kernel GRPO coefficient;
-    `inv`: the fp32 inverse temperature the forward scaled the logits by."""
+    `inv`: the fp32 inverse temperature the forward scaled the logits by. `entropy_weight` (fp32 `[N]`, scaled like
+    `coef`; `out` `[4, N]` with the entropies): the entropy bonus's weight per token."""
     x = rows(policy)
     N, V = x.shape
     grad = torch.empty((N, V), dtype=policy.dtype, device=policy.device)
@@ -372,12 +411,13 @@ def launch_grad(launch, policy, ids, mask, out, coef, old=None, adv=None, weight
         return grad.view(policy.shape)
     launch(pick(_GRAD, V, x.stride(0), grad.stride(0)))[(N,)](
         x, flat(ids), flat(mask), out, flat(coef.float()), out if from_ptr else flat(old),
-        out if from_ptr else flat(adv), out if from_ptr else weight, out if is_ratio is None else is_ratio, grad, N,
+        out if from_ptr else flat(adv), out if from_ptr else weight, out if is_ratio is None else is_ratio,
+        out if entropy_weight is None else flat(entropy_weight), grad, N,
         policy.shape[1], V, x.stride(0), grad.stride(0), lo, hi, beta, delta, *taus, inv,
         COEF_FROM_PTR=from_ptr, HAS_REF=has_ref, HAS_IS=not from_ptr and is_ratio is not None, BIAS_KL=bias_kl,
         SURROGATE=surrogate,
         TOKEN_ADV=not from_ptr and adv.dim() == 2, SCALE=inv != 1.0, VEC=16 // x.element_size(), BLOCK=block(V),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        ENTROPY=entropy_weight is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return grad.view(policy.shape)
 
 
