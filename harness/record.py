@@ -34,7 +34,8 @@ from .topology import Layout, RankContext
 
 SCALARS = ("loss", "policy_loss", "kl")
 VECTORS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens")
-FIELDS = SCALARS + VECTORS + ("grad_digest",)
+OPTIONAL = ("per_sequence_entropy",)  # recorded where the scenario's contract computes it
+FIELDS = SCALARS + VECTORS + OPTIONAL + ("grad_digest",)
 SCHEMA = pa.schema([("scenario", pa.string()), ("topology", pa.string()), ("field", pa.string()),
                     ("index", pa.int64()), ("value", pa.float64()), ("bits", pa.int64()), ("digest", pa.string()),
                     ("fingerprint", pa.string())])
@@ -109,7 +110,7 @@ def run_case(scn: Scenario, inputs: dict, layout: Layout, tp_rank: int, dp_rank:
         t = getattr(res, f)
         rows.append(dict(scenario=scn.name, topology=topo, field=f, index=-1, value=t.item(),
                          bits=bit_pattern(t)[0], digest=None, fingerprint=fp))
-    for f in VECTORS:
+    for f in VECTORS + tuple(f for f in OPTIONAL if getattr(res, f) is not None):
         t = getattr(res, f)
         for i, (v, b) in enumerate(zip(t.tolist(), bit_pattern(t))):
             rows.append(dict(scenario=scn.name, topology=topo, field=f, index=i, value=float(v), bits=b, digest=None,

@@ -50,6 +50,7 @@ class Scenario:
     level: str = "token"  # importance_sampling_level: "sequence" is GSPO's ratio
     off_policy: float | None = None  # off_policy_mask_threshold
     sampling: bool = False  # the off-policy mask reads sampler log-probs (the old ones plus noise), not the old ones
+    entropy: tuple[float, float] | None = None  # (entropy_coef, top_entropy_quantile): TRL's bonus and mask
 
     @property
     def linear(self) -> bool:
@@ -73,6 +74,8 @@ class Scenario:
             off_policy_mask_threshold=self.off_policy,
             **({} if self.taus is None else dict(zip(("sapo_temperature_pos", "sapo_temperature_neg"), self.taus))),
             **({} if self.gamma is None else dict(zip(VESPO_GAMMA, self.gamma))),
+            **({} if self.entropy is None else dict(entropy_coef=self.entropy[0],
+                                                    top_entropy_quantile=self.entropy[1])),
             **self.groups)
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
@@ -186,6 +189,8 @@ SCENARIOS = {s.name: s for s in [
              is_ratio="token", bias_kl=True, clip=(0.2, 0.28)),
     Scenario("vespo_bf16", vocab=1031, seed=23, dtype="bfloat16", loss_type="vespo", gamma=(1.5, 2.0, 4.0, 1.0),
              is_ratio="token", bias_kl=True, empty=(3,)),
+    Scenario("entropy_bf16", vocab=1031, seed=25, dtype="bfloat16", entropy=(0.01, 0.6), temperature=0.8,
+             empty=(2,)),
     Scenario("linear_bf16", vocab=1031, seed=11, hidden=64, dtype="bfloat16"),
     Scenario("linear_wide_ref_logps_dr_grpo", vocab=1000, seed=12, hidden=48, wide=True, reference="logps",
              normalizer="sequences_times_max_length", temperature=0.7, groups={"group_boundaries": (0, 3, 5, 8)}),
@@ -197,6 +202,8 @@ SCENARIOS = {s.name: s for s in [
              loss_type="luspo", normalizer="sequence_sums_then_batch_mean", clip=(0.02, 0.03), empty=(6,)),
     Scenario("linear_vespo_off_policy", vocab=1000, seed=24, hidden=32, reference="logps", loss_type="vespo",
              is_ratio="token", off_policy=0.01, sampling=True),
+    Scenario("linear_entropy", vocab=1000, seed=26, hidden=32, reference="logps", entropy=(0.02, 0.5),
+             level="sequence", clip=(0.02, 0.03)),
 ]}
 
 

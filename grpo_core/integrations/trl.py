@@ -15,9 +15,13 @@ Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with 
 alone: it runs the backbone for the hidden states of the completion positions and hands them, with the LM head's
 weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation trainer
 does. Generation, rewards, advantages and the old and reference log-probabilities stay TRL's. It logs what TRL logs
-of the loss: `kl` (beta != 0) and the clip ratio of the loss type (`clip_ratio/region_mean`; cispo's
-`cispo_clip_ratio`; none for sapo and vespo, which clip nothing), and vespo's `vespo/phi_seq_mean`; not `entropy` nor
-the low / high clip ratios, which the loss does not compute.
+of the loss: `kl` (beta != 0), `entropy` (the loss's token entropies, `contract.entropy`), the clip ratio of the loss
+type (`clip_ratio/region_mean`; cispo's `cispo_clip_ratio`; none for sapo and vespo, which clip nothing), vespo's
+`vespo/phi_seq_mean`, and with an entropy bonus `policy_loss` and `entropy_coef`; not the low / high clip ratios,
+which the loss does not compute. TRL's entropy options run as in TRL: `entropy_coef` (the bonus, a mean over the kept
+tokens divided by the accumulation alone), `top_entropy_quantile` (the policy terms of the tokens below the quantile
+dropped: one process only, TRL's quantile spans the processes) and `use_adaptive_entropy` (TRL's controller and its
+state, checkpointed by TRL).
 
 Loss types (TRL's semantics; each is the op's `loss_type`): grpo, bnpo, dr_grpo and dapo (the clipped surrogate
 under their token normalizers); cispo (`-sg(min(ratio, epsilon_high)) * A * logp`, the ratio clamped at
@@ -41,9 +45,8 @@ ratio it logs is then TRL's mean over the sequences. So does `off_policy_mask_th
 sequence mask, with TRL's `inputs["sampling_per_token_logps"]` when vLLM gives them, else the old log-probs).
 
 Not supported, refused with a `ValueError` naming the argument: `delta` with cispo, sapo or vespo (TRL ignores it
-there: leave it None). The trainer also refuses what needs the token
-entropies or a loss term of its own (`top_entropy_quantile`, `entropy_coef`, `use_adaptive_entropy`, a MoE router
-loss), logits that the model soft-caps or scales, and vision inputs.
+there: leave it None). The trainer also refuses a loss term of its own (a MoE router loss), `top_entropy_quantile`
+below 1 on more than one process, logits that the model soft-caps or scales, and vision inputs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,187 @@
+"""The policy's token entropies: TRL's entropy bonus (`entropy_coef`, with its gradient) and its top-entropy mask
+(`top_entropy_quantile`) on every backend against TRL 1.16's formulas in float64, the entropies reported on the
+contract path, the deterministic path's two kernel sets bitwise against each other, the canonical statistic against
+float64, and bad options refused everywhere. (The harness runs them at every TP x DP layout against the goldens:
+scenarios `entropy_bf16` and `linear_entropy`; `tests/test_trl.py` runs them inside TRL's trainer.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, make_inputs
+from grpo_core import GRPOLossContract, LossContractError, canonical, kernel_registry
+from grpo_core.distributed import DistributedGRPOLossOp
+from grpo_core.linear import linear_grpo_loss
+from grpo_core.native import NativeGRPOLossOp
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+B, T, V, H = 4, 6, 37, 16
+INPUTS = make_inputs(B, T, V, seed=11, device=DEV)
+ADV = torch.randn(B, generator=torch.Generator().manual_seed(3)).to(DEV)
+REF_LOGPS = torch.log_softmax(INPUTS["ref_logits"].double(), -1).gather(
+    -1, INPUTS["action_ids"][..., None])[..., 0].float()
+# (entropy_coef, top_entropy_quantile, temperature, importance_sampling_level)
+CASES = [(0.01, 1.0, 0.7, "token"), (0.0, 0.5, 1.0, "token"), (0.05, 0.3, 1.3, "token"), (0.05, 0.5, 1.0, "sequence")]
+IDS = [f"coef={c},top={t},temp={tp},{lv}" for c, t, tp, lv in CASES]
+
+
+def trl_loss(logits, coef, top, temperature, level):
+    """TRL 1.16's `_compute_loss` (dapo, one batch of one process, beta 0.04) in float64: the policy term on the
+    kept tokens (`get_high_entropy_mask`), the KL on every active token, minus `coef` times the mean entropy of the
+    kept tokens."""
+    m = INPUTS["completion_mask"]
+    logsm = torch.log_softmax(logits.double() / temperature, -1)
+    lp = logsm.gather(-1, INPUTS["action_ids"][..., None])[..., 0]
+    ent = -(logsm.exp() * logsm).sum(-1)
+    keep = m
+    if top < 1.0:
+        keep = m & (ent.detach() * m >= torch.quantile(ent.detach()[m].float(), 1 - top).double())
+    log_ratio = lp - INPUTS["old_logps"].double()
+    md = m.double()
+    if level == "sequence":
+        log_ratio = ((log_ratio * md).sum(-1) / md.sum(-1).clamp(min=1.0))[:, None]
+    r, a = torch.exp(log_ratio), ADV.double()[:, None]
+    d = REF_LOGPS.double() - lp
+    per_token = -torch.min(r * a, r.clamp(0.8, 1.2) * a) * keep.double() + 0.04 * (torch.exp(d) - d - 1)
+    kept = keep.double()
+    return (per_token * md).sum() / md.sum() - coef * (ent * kept).sum() / kept.sum(), ent.detach() * md
+
+
+def contract(coef, top, temperature, level, **kw):
+    return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, beta=0.04, advantages_input="sequence",
+                            entropy=True, entropy_coef=coef, top_entropy_quantile=top, temperature=temperature,
+                            importance_sampling_level=level, **kw)
+
+
+def run(backend, coef, top, temperature, level):
+    """`(loss, gradient of the logits, token entropies or None)` of one backend."""
+    i = INPUTS
+    x = i["policy_logits"].detach().clone().requires_grad_(True)
+    ent = None
+    if backend.startswith("distributed"):
+        res = DistributedGRPOLossOp(backend.split("/")[1]).apply(
+            x, i["action_ids"], i["old_logps"], contract=contract(coef, top, temperature, level,
+                                                                   determinism_scope="topology_invariant"),
+            completion_mask=i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, check_values="sync")
+        loss, ent = res.loss, res.token_entropy
+    elif backend == "native_contract":
+        res = NativeGRPOLossOp().apply(x, i["action_ids"], i["old_logps"], contract=contract(coef, top, temperature,
+                                                                                               level),
+                                       completion_mask=i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS)
+        loss, ent = res.loss, res.token_entropy
+    elif backend.startswith("linear"):
+        x = i["policy_logits"].float().detach().clone().requires_grad_(True)
+        res = linear_grpo_loss(x, torch.eye(V, device=DEV), i["action_ids"], i["old_logps"], None,
+                               i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, beta=0.04,
+                               temperature=temperature, importance_sampling_level=level, entropy=True,
+                               entropy_coef=coef, top_entropy_quantile=top, kernels=backend.split("/")[1])
+        loss, ent = res.loss, res.token_entropy
+    else:
+        extra = {"check_values": "sync"} if backend == "triton" else {}
+        loss = kernel_registry.get_op("grpo_loss", backend=backend)(
+            x, None, i["action_ids"], i["old_logps"], None, i["completion_mask"], beta=0.04, advantages=ADV,
+            ref_logps=REF_LOGPS, temperature=temperature, importance_sampling_level=level, entropy_coef=coef,
+            top_entropy_quantile=top, **extra)[0]
+    loss.backward()
+    return loss.detach(), x.grad, ent
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("backend", ["native", "native_contract", "triton", "distributed/torch", "distributed/triton",
+                                     "linear/torch", "linear/triton"])
+def test_backends_match_trl(backend, case):
+    x = INPUTS["policy_logits"].double().detach().requires_grad_(True)
+    want, want_ent = trl_loss(x, *case)
+    want.backward()
+    loss, grad, ent = run(backend, *case)
+    assert_close_verbose(loss, want.detach(), atol=1e-6, rtol=1e-5, what=f"{backend} loss")
+    assert_close_verbose(grad, x.grad, atol=1e-7, rtol=1e-4, what=f"{backend} grad")
+    if ent is not None:
+        assert_close_verbose(ent, want_ent, atol=1e-6, rtol=1e-6, what=f"{backend} token entropies")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_each_option_changes_the_gradient(case):
+    """Not vacuous: the bonus and the mask each move TRL's gradient on these inputs."""
+    coef, top, temperature, level = case
+    x = INPUTS["policy_logits"].double().detach().requires_grad_(True)
+    trl_loss(x, coef, top, temperature, level)[0].backward()
+    y = INPUTS["policy_logits"].double().detach().requires_grad_(True)
+    trl_loss(y, 0.0, 1.0, temperature, level)[0].backward()
+    assert (x.grad - y.grad).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_deterministic_kernel_sets_agree_bitwise(case):
+    results = [DistributedGRPOLossOp(k).apply(
+        INPUTS["policy_logits"].detach().clone().requires_grad_(True), INPUTS["action_ids"], INPUTS["old_logps"],
+        contract=contract(*case, determinism_scope="topology_invariant"), completion_mask=INPUTS["completion_mask"],
+        advantages=ADV, ref_local_logits=INPUTS["ref_logits"], check_values="sync") for k in ("torch", "triton")]
+    for name in ("loss", "token_entropy", "per_sequence_entropy", "entropy_token_mean", "per_sequence_policy"):
+        assert_bitwise_equal(getattr(results[0], name).detach(), getattr(results[1], name).detach(), name)
+
+
+def test_entropy_statistic_matches_float64():
+    """`tile_stats(..., entropy=True)`, `merge_stats` and `entropy_of` against float64 over rows of every scale,
+    rows of -inf and -0.0 logits included: within 2e-7 + 2e-7 * H (about an ulp of H; the fp32 rounding of S near 1
+    bounds a peaked row's); the entropy sums leave `(M, S)` unchanged."""
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.1, 1.0, 10.0, 100.0):
+        x = torch.randn(6, 1000, generator=g) * scale
+        x[1, 500:] = float("-inf")
+        x[2] = torch.where(x[2] > 0, -0.0, x[2])
+        m, s, u = canonical.tile_stats(x, 64, entropy=True)
+        M, S, U = canonical.merge_stats(m, s, u)
+        want = -(torch.softmax(x.double(), -1) * torch.log_softmax(x.double(), -1)).nan_to_num().sum(-1)
+        assert ((canonical.entropy_of(M, S, U).double() - want).abs() <= 2e-7 + 2e-7 * want).all()
+        assert all(torch.equal(a, b) for a, b in zip(canonical.merge_stats(*canonical.tile_stats(x, 64)), (M, S)))
+
+
+def test_entropy_keep_is_trls_quantile():
+    """`entropy_keep` keeps exactly the tokens of TRL's `get_high_entropy_mask` (torch.quantile's threshold)."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        ent = torch.rand(3, 40, generator=g) * 5
+        mask = torch.rand(3, 40, generator=g) < 0.6
+        top = float(torch.rand((), generator=g)) * 0.98 + 0.01
+        want = mask & (ent * mask >= torch.quantile(ent[mask], 1 - top))
+        assert torch.equal(canonical.entropy_keep(ent, mask, top), want)
+    assert not canonical.entropy_keep(ent, torch.zeros_like(mask), 0.5).any()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(entropy_coef=float("nan")), "entropy_coef: expected a finite float"),
+    (dict(entropy_coef=1e39), "entropy_coef: expected a float that is finite in float32"),
+    (dict(entropy_coef="0.1"), "entropy_coef: expected a float, got str"),
+    (dict(top_entropy_quantile=0.0), r"top_entropy_quantile: expected a float in \(0, 1\]"),
+    (dict(top_entropy_quantile=1.5), "top_entropy_quantile: expected a finite float >= 0.0 and <= 1.0"),
+    (dict(top_entropy_quantile=float("nan")), "top_entropy_quantile: expected a finite float"),
+])
+@pytest.mark.parametrize("backend", ["native", "triton", "distributed", "linear"])
+def test_bad_options_raise_everywhere(backend, options, match):
+    i = INPUTS
+    with pytest.raises(LossContractError, match=match):
+        if backend == "distributed":
+            GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, **options)
+        elif backend == "linear":
+            linear_grpo_loss(i["policy_logits"].float(), torch.eye(V, device=DEV), i["action_ids"], i["old_logps"],
+                             None, i["completion_mask"], advantages=ADV, beta=0.0, kernels="torch", **options)
+        else:
+            kernel_registry.get_op("grpo_loss", backend=backend)(
+                i["policy_logits"], None, i["action_ids"], i["old_logps"], None, i["completion_mask"], beta=0.0,
+                advantages=ADV, **options)
+    with pytest.raises(LossContractError, match="entropy: expected a bool, got int 1"):
+        GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, entropy=1)
+
+
+def test_fingerprint_moves_only_with_the_options():
+    """The report (`entropy=True`) changes no number: old fingerprints stay; the bonus and the mask enter."""
+    def print_of(**kw) -> str:
+        return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, advantages_input="sequence",
+                                **kw).fingerprint()
+
+    plain = print_of()
+    assert print_of(entropy=True) == plain == print_of(entropy_coef=0.0, top_entropy_quantile=1.0)
+    prints = {plain, print_of(entropy_coef=0.1), print_of(entropy_coef=0.2), print_of(top_entropy_quantile=0.5)}
+    assert len(prints) == 4
