@@ -664,7 +664,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torc
     ids = action_ids.reshape(-1)[rows].long()
     with torch.no_grad():
         k = _kernels(kernels, hidden.device, contract.tile_width)
-        logp, _ = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
-                              None if bias is None else bias.detach(), ids, rows, contract, tp_group, inv)
+        logp, *_ = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
+                               None if bias is None else bias.detach(), ids, rows, contract, tp_group, inv)
     out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
     return out.index_put((rows,), logp).view(B, T)
