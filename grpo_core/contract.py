@@ -512,6 +512,8 @@ class GRPOLossContract:
             extra["sapo_temperatures"] = [self.sapo_temperature_pos.hex(), self.sapo_temperature_neg.hex()]
         if self.surrogate is Surrogate.VESPO:
             extra["vespo_gamma"] = [value.hex() for value in self.vespo_gamma]
+        if self.entropy:  # what every rank computes and gathers (ranks must agree)
+            extra["entropy"] = True
         if self.entropy_coef != 0.0:
             extra["entropy_coef"] = self.entropy_coef.hex()
         if self.top_entropy_quantile != 1.0:
@@ -689,7 +691,7 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
     `delta` must be normal float32 values. `vespo`: `VESPO_GAMMA`'s names (loss_type 'vespo' only; None: TRL's
     defaults): finite floats, the rates >= 0 (below 1e-4 they count as 1e-4, as in TRL: `canonical.vespo_phi`).
     `entropy` becomes True with an `entropy_coef` other than 0 or a `top_entropy_quantile` below 1 (they read the
-    entropies); the quantile lies in (0, 1]."""
+    entropies); the quantile lies in [0, 1] (0: the tokens of the largest entropy only, as TRL's)."""
     clip_eps = check_fp32("clip_eps", clip_eps, minimum=0.0, maximum=1.0, open_max=True)
     clip_eps_high = check_fp32("clip_eps_high", clip_eps if clip_eps_high is None else clip_eps_high, minimum=0.0)
     beta = check_fp32("beta", beta, minimum=0.0)
@@ -741,9 +743,6 @@ def check_options(*, clip_eps: Any, clip_eps_high: Any, beta: Any, normalizer: A
         raise LossContractError(f"entropy: expected a bool, got {type(entropy).__name__} {entropy!r}")
     entropy_coef = check_fp32("entropy_coef", entropy_coef, minimum=-math.inf)
     top = check_float("top_entropy_quantile", top_entropy_quantile, minimum=0.0, maximum=1.0)
-    if top == 0.0:
-        raise LossContractError("top_entropy_quantile: expected a float in (0, 1] (the fraction of tokens whose policy "
-                                "terms are kept), got 0.0, which keeps none")
     return dict(delta=check_delta(delta), use_bias_correction_kl=use_bias_correction_kl,
                 importance_sampling_level=level, off_policy_mask_threshold=threshold, entropy_coef=entropy_coef,
                 entropy=entropy or entropy_coef != 0.0 or top < 1.0, top_entropy_quantile=top,

@@ -33,7 +33,7 @@ def trl_loss(logits, coef, top, temperature, level):
     m = INPUTS["completion_mask"]
     logsm = torch.log_softmax(logits.double() / temperature, -1)
     lp = logsm.gather(-1, INPUTS["action_ids"][..., None])[..., 0]
-    ent = -(logsm.exp() * logsm).sum(-1)
+    ent = -(logsm.exp() * torch.where(torch.isneginf(logsm), 0.0, logsm)).sum(-1)  # 0 log 0 = 0 at a -inf logit
     keep = m
     if top < 1.0:
         keep = m & (ent.detach() * m >= torch.quantile(ent.detach()[m].float(), 1 - top).double())
@@ -154,7 +154,7 @@ def test_entropy_keep_is_trls_quantile():
     (dict(entropy_coef=float("nan")), "entropy_coef: expected a finite float"),
     (dict(entropy_coef=1e39), "entropy_coef: expected a float that is finite in float32"),
     (dict(entropy_coef="0.1"), "entropy_coef: expected a float, got str"),
-    (dict(top_entropy_quantile=0.0), r"top_entropy_quantile: expected a float in \(0, 1\]"),
+    (dict(top_entropy_quantile=-0.1), "top_entropy_quantile: expected a finite float >= 0.0 and <= 1.0"),
     (dict(top_entropy_quantile=1.5), "top_entropy_quantile: expected a finite float >= 0.0 and <= 1.0"),
     (dict(top_entropy_quantile=float("nan")), "top_entropy_quantile: expected a finite float"),
 ])
@@ -176,12 +176,60 @@ def test_bad_options_raise_everywhere(backend, options, match):
 
 
 def test_fingerprint_moves_only_with_the_options():
-    """The report (`entropy=True`) changes no number: old fingerprints stay; the bonus and the mask enter."""
+    """Old fingerprints stay; the report (`entropy=True`: every rank gathers the entropies, so ranks must agree),
+    the bonus and the mask enter."""
     def print_of(**kw) -> str:
         return GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, advantages_input="sequence",
                                 **kw).fingerprint()
 
     plain = print_of()
-    assert print_of(entropy=True) == plain == print_of(entropy_coef=0.0, top_entropy_quantile=1.0)
-    prints = {plain, print_of(entropy_coef=0.1), print_of(entropy_coef=0.2), print_of(top_entropy_quantile=0.5)}
-    assert len(prints) == 4
+    assert plain == print_of(entropy_coef=0.0, top_entropy_quantile=1.0)
+    prints = {plain, print_of(entropy=True), print_of(entropy_coef=0.1), print_of(entropy_coef=0.2),
+              print_of(top_entropy_quantile=0.5)}
+    assert len(prints) == 5
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton"])
+def test_minus_inf_logits_keep_the_gradient_finite(backend):
+    """A -inf logit at an active token (p = 0 there: `p log p` is 0, not 0 * -inf) leaves the loss, the entropies and
+    the gradient finite, with the bonus and the mask on; the loss equals the float64 formula's. (The fused linear op's
+    logits come from finite hidden states: not here.)"""
+    i = INPUTS
+    x = i["policy_logits"].detach().clone()
+    b, t = i["completion_mask"].nonzero()[2].tolist()
+    x[b, t, (i["action_ids"][b, t] + 1) % V] = float("-inf")
+    saved, INPUTS["policy_logits"] = INPUTS["policy_logits"], x
+    try:
+        loss, grad, ent = run(backend, 0.05, 0.5, 1.0, "token")
+        want, want_ent = trl_loss(x.double(), 0.05, 0.5, 1.0, "token")
+    finally:
+        INPUTS["policy_logits"] = saved
+    assert torch.isfinite(grad).all() and grad[b, t, (i["action_ids"][b, t] + 1) % V] == 0.0
+    assert_close_verbose(loss, want, atol=1e-6, rtol=1e-5, what=f"{backend} loss")
+    if ent is not None:
+        assert_close_verbose(ent, want_ent, atol=1e-6, rtol=1e-6, what=f"{backend} token entropies")
+
+
+def test_top_entropy_quantile_zero_keeps_the_largest_entropy():
+    """0.0 is TRL's "all but the highest entropy token masked": the quantile at 1, the maximum."""
+    ent = torch.tensor([[0.5, 2.0, 1.0], [2.0, 0.1, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    assert canonical.entropy_keep(ent, mask, 0.0).tolist() == [[False, True, False], [True, False, False]]
+
+
+def test_the_bonus_overflow_raises_on_every_backend():
+    """The loss's finiteness is checked with its bonus on the Triton paths too (their kernels flag it before)."""
+    i = INPUTS
+    for backend in ("native", "triton"):
+        extra = {"check_values": "sync"} if backend == "triton" else {}
+        with pytest.raises(LossContractError, match="loss: expected a finite float32 loss"):
+            kernel_registry.get_op("grpo_loss", backend=backend)(
+                i["policy_logits"], None, i["action_ids"], i["old_logps"], None, i["completion_mask"], beta=0.0,
+                advantages=ADV, entropy_coef=3e38, **extra)
+    for kernels in ("torch", "triton"):
+        with pytest.raises(LossContractError, match="loss: expected a finite float32 loss"):
+            DistributedGRPOLossOp(kernels).apply(
+                i["policy_logits"], i["action_ids"], i["old_logps"], contract=GRPOLossContract(
+                    num_sequences=B, padded_seq_len=T, vocab_size=V, beta=0.0, advantages_input="sequence",
+                    entropy_coef=3e38, determinism_scope="topology_invariant"),
+                completion_mask=i["completion_mask"], advantages=ADV, check_values="sync")

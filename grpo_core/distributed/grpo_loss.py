@@ -449,8 +449,9 @@ class _TritonKernels:
         from ..triton import canonical as kernels
         scalars, w, flag = kernels.finish(sums, ints, contract.beta, contract.normalizer, contract.normalizer_value)
         scalars = tuple(scalars)
-        if contract.entropy_coef != 0.0:
+        if contract.entropy_coef != 0.0:  # the flag covers the loss with its bonus
             scalars = (scalars[0] - canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[0], *scalars[1:])
+            flag = torch.maximum(flag, (~torch.isfinite(scalars[0])).to(flag.dtype))
         return scalars, w, flag
 
     @staticmethod

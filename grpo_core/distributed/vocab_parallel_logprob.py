@@ -96,7 +96,8 @@ def write_grad(grad: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, loc
     """`grad[rows] = coef * (onehot(local_ids) - p)` in `grad`'s dtype, chunk by chunk, with `p = exp(z[rows] - lse)`
     and `z = fp32(logits) * inv_temperature` (`coef` already holds the factor `inv_temperature` of `dz / dx`);
     `local_ids` outside this shard give no one-hot column. `entropy = (coef_h, h)` `[len(rows)]` each: plus
-    `coef_h * (p * ((z - lse) + h))`, `coef_h` times `-d h / dz` of the row's entropy `h`."""
+    `coef_h * (p * ((z - lse) + h))` (0.0 where `p` is: a -inf logit), `coef_h` times `-d h / dz` of the row's
+    entropy `h`."""
     cols = torch.arange(logits.shape[1], device=logits.device)
     start = 0
     for chunk in row_chunks(rows, logits.shape[1], tile_width, logits.shape[0]):
@@ -107,7 +108,8 @@ def write_grad(grad: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, loc
         p = canonical.exp(logp)
         g = coef[part].unsqueeze(1) * (onehot - p)
         if entropy is not None:
-            g = g + entropy[0][part].unsqueeze(1) * (p * (logp + entropy[1][part].unsqueeze(1)))
+            term = torch.where(p > 0, p * (logp + entropy[1][part].unsqueeze(1)), 0.0)  # a -inf logit: p = 0
+            g = g + entropy[0][part].unsqueeze(1) * term
         grad[chunk] = g.to(grad.dtype)
 
 

@@ -27,7 +27,8 @@ def selected_logprobs(logits: torch.Tensor, action_ids: torch.Tensor, mask: torc
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
     if not entropy:
         return zeros.masked_scatter(mask, picked)
-    return zeros.masked_scatter(mask, picked), zeros.masked_scatter(mask, -(logp.exp() * logp).sum(-1))
+    finite = torch.where(torch.isneginf(logp), 0.0, logp)  # p log p is 0 at a -inf logit (0 * -inf: NaN)
+    return zeros.masked_scatter(mask, picked), zeros.masked_scatter(mask, -(logp.exp() * finite).sum(-1))
 
 
 class NativeRatioKLOp:

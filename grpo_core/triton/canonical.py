@@ -621,7 +621,7 @@ def _grad_kernel(
             p = exp_nonpos(lp)
             grad = coef * (onehot - p)
             if ENTROPY:
-                grad = grad + ch * (p * (lp + h))
+                grad = grad + ch * tl.where(p > 0.0, p * (lp + h), 0.0)
             if BF16_BITS:
                 b = grad.to(tl.int32, bitcast=True)
                 tl.store(g_row + c, ((b + (0x7FFF + ((b >> 16) & 1))) >> 16).to(tl.int16), mask=c < V)

@@ -504,17 +504,18 @@ class TritonGRPOLossOp:
             out, adv, weight, scalars, flags, grad, is_ratio = _forward(
                 lambda k: k, x, *args, sequence=o.sequence_level, sampling=sampling,
                 weigh=weigh if weighed or o.entropy else None, entropy=o.entropy)
-        check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
-                           old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
-                           out[1].view(B, T) if has_ref else None, advantages,
-                           None if advantages is not None else (o.groups, o.std), scalars[0], ref_logps,
-                           importance_sampling_ratio, sampling_logps)
         loss, policy_loss, kl = scalars[0], scalars[1], scalars[2]
         ent_w = None
         if o.entropy_coef != 0.0:  # TRL's entropy bonus (`canonical.entropy_bonus`), with torch's sum
             ent = out[3].view(B, T)
             bonus, w_h = canonical.entropy_bonus(torch.where(keep, ent, 0.0).sum(-1), keep.sum(-1), o.entropy_coef)
             loss, ent_w = loss - bonus, torch.where(keep, w_h, 0.0).reshape(-1)
+            flags[0] = torch.maximum(flags[0], (~torch.isfinite(loss)).to(flags.dtype))  # the loss with its bonus
+        check_values_after(flags[0], check_values, "grpo_loss (triton)", policy_logits, ref_logits, action_ids,
+                           old_logps, rewards, completion_mask, o.beta, out[0].view(B, T),
+                           out[1].view(B, T) if has_ref else None, advantages,
+                           None if advantages is not None else (o.groups, o.std), loss, ref_logps,
+                           importance_sampling_ratio, sampling_logps)
         if wants_grad:
             loss = _GRPOLoss.apply(policy_logits, loss, grad, action_ids, completion_mask, out, old, adv, weight,
                                    is_ratio, (*clip, has_ref, inv, delta, o.bias_kl, *surrogate),

@@ -169,7 +169,7 @@ def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv,
     p = tl.exp(lp)
     grad = coef * (tl.where(c == action, 1.0, 0.0) - p)
     if ENTROPY:
-        grad = grad + ch * (p * (lp + h))
+        grad = grad + ch * tl.where(p > 0.0, p * (lp + h), 0.0)
     grad = tl.where(active, grad, 0.0)
     if MASKED:
         tl.store(g_base + offs, grad.to(g_base.dtype.element_ty), mask=inside)
