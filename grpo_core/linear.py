@@ -53,7 +53,7 @@ from .checks import (check_derived_advantages, check_inputs, check_loss, check_o
                      stand_in)
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LogprobContract,
                        LossContractError, Surrogate, check_temperature, inverse_temperature)
-from .distributed.grpo_loss import gather_sequences
+from .distributed.grpo_loss import entropy_keep, gather_sequences
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
 from .result import GRPOLossResult, provenance
@@ -517,11 +517,7 @@ class LinearGRPOLossOp:
         ent = keep = None
         if ent_rows is not None:
             ent = full.index_put((rows,), ent_rows).view(n_local, T)
-            keep = mask
-            if contract.top_entropy_quantile < 1.0:  # the whole batch's quantile, on every rank
-                gathered = gather_sequences(mask.to(torch.uint8), contract, dp_group).bool()
-                keep = canonical.entropy_keep(gather_sequences(ent, contract, dp_group), gathered,
-                                              contract.top_entropy_quantile)[seq_lo:seq_hi]
+            keep = entropy_keep(ent, mask, contract, dp_group)
         is_ratio, phi = canonical.importance_weights(logp, old, adv, mask, is_ratio, contract.off_policy_mask_threshold,
                                                      sampling_logps, gamma, k.exp,
                                                      None if contract.top_entropy_quantile == 1.0 else keep)

@@ -56,6 +56,17 @@ def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: 
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
+def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, contract: GRPOLossContract, dp_group: Any) -> torch.Tensor:
+    """This rank's `[n_local, T]` of `canonical.entropy_keep` over the whole batch's entropies and mask (gathered:
+    every rank computes the same quantile): the active tokens whose policy terms are kept."""
+    top = contract.top_entropy_quantile
+    if top == 1.0:
+        return mask
+    lo, hi = contract.sharding.sequence_bounds
+    every = gather_sequences(mask.to(torch.uint8), contract, dp_group).bool()
+    return canonical.entropy_keep(gather_sequences(entropy, contract, dp_group), every, top)[lo:hi]
+
+
 class _Loss(torch.autograd.Function):
     """Forward: the loss computed outside autograd. Backward: `grad_output * coef * (onehot - softmax)` on this
     rank's active rows, zeros elsewhere; no communication (every rank holds the replicated loss)."""
@@ -271,16 +282,6 @@ class _Call:
                                             o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp,
                                             None if o.top_entropy_quantile == 1.0 else keep)
 
-    def keep(self, entropy: torch.Tensor) -> torch.Tensor:
-        """The active tokens whose policy terms are kept (`canonical.entropy_keep` of the whole batch's entropies:
-        every rank computes the same quantile), this rank's `[n_local, T]`."""
-        top = self.contract.top_entropy_quantile
-        if top == 1.0:
-            return self.mask
-        lo, hi = self.contract.sharding.sequence_bounds
-        mask = self.gather(self.mask.to(torch.uint8)).bool()
-        return canonical.entropy_keep(self.gather(entropy), mask, top)[lo:hi]
-
 
 class _TorchKernels:
     """The reference kernels, torch ops on any device. The preflight reads the values (a device sync); a non-finite
@@ -326,7 +327,7 @@ class _TorchKernels:
                                                sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        keep = c.keep(ent[0]) if ent else None
+        keep = entropy_keep(ent[0], c.mask, c.contract, c.dp_group) if ent else None
         w_is, phi = c.weights(logp, adv, canonical.exp, keep)
         policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
                                              o.sapo_temperatures)
@@ -427,7 +428,7 @@ class _TritonKernels:
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
             ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
-        keep = None if ent is None else c.keep(ent)
+        keep = None if ent is None else entropy_keep(ent, c.mask, c.contract, c.dp_group)
         w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask), kernels.exp_of, keep)
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
