@@ -233,3 +233,37 @@ def test_the_bonus_overflow_raises_on_every_backend():
                     num_sequences=B, padded_seq_len=T, vocab_size=V, beta=0.0, advantages_input="sequence",
                     entropy_coef=3e38, determinism_scope="topology_invariant"),
                 completion_mask=i["completion_mask"], advantages=ADV, check_values="sync")
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", "distributed/torch", "distributed/triton"])
+def test_equal_rows_stay_tied(backend):
+    """Rows equal in exact math (a group's first completion token, from one prompt) have equal entropies, so the
+    quantile splits none of them: with every row equal (an odd vocabulary: rows at every 16-byte alignment), a quantile
+    of 0.5 keeps every active token, the loss and gradient of a quantile of 1. (The fast op's online entropies differ
+    in their last bits between such rows; its mask reads the canonical ones.)"""
+    n, t, v = 3, 8, 999
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(v, generator=g) * 3
+    x = row.expand(n, t, v).contiguous().to(DEV)
+    ids = torch.randint(0, v, (n, t), generator=g).to(DEV)
+    old = (torch.randn(n, t, generator=g) * 0.1 - 7).to(DEV)
+    mask = (torch.rand(n, t, generator=g) < 0.8).to(DEV)
+    adv = torch.randn(n, generator=g).to(DEV)
+    out = []
+    for top in (0.5, 1.0):
+        y = x.clone().requires_grad_(True)
+        if backend.startswith("distributed"):
+            loss = DistributedGRPOLossOp(backend.split("/")[1]).apply(
+                y, ids, old, contract=GRPOLossContract(
+                    num_sequences=n, padded_seq_len=t, vocab_size=v, beta=0.0, advantages_input="sequence",
+                    entropy_coef=0.05, top_entropy_quantile=top, determinism_scope="topology_invariant"),
+                completion_mask=mask, advantages=adv, check_values="sync").loss
+        else:
+            extra = {"check_values": "sync"} if backend == "triton" else {}
+            loss = kernel_registry.get_op("grpo_loss", backend=backend)(
+                y, None, ids, old, None, mask, beta=0.0, advantages=adv, entropy_coef=0.05, top_entropy_quantile=top,
+                **extra)[0]
+        loss.backward()
+        out.append((loss.detach(), y.grad.float()))
+    assert_close_verbose(out[0][0], out[1][0], atol=1e-6, rtol=1e-6, what=f"{backend} loss")
+    assert_close_verbose(out[0][1], out[1][1], atol=1e-6, rtol=1e-4, what=f"{backend} grad")

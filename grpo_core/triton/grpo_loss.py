@@ -40,8 +40,9 @@ from torch.library import triton_op, wrap_triton
 from .. import canonical, pending
 from ..canonical import STD_EPS, STD_FLOOR
 from ..checks import loss_options
-from ..contract import FP32_MAX, AdvantageStd, LossContractError, Surrogate, TokenNormalizer, inverse_temperature
-from .canonical import exp_of
+from ..contract import (DEFAULT_VOCAB_TILE, FP32_MAX, AdvantageStd, LossContractError, Surrogate, TokenNormalizer,
+                        inverse_temperature)
+from .canonical import exp_of, merge_lse, row_stats
 from .group_norm import MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .launch import SURROGATES, finish_options, pick, twins
@@ -402,6 +403,14 @@ def _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, ratio, grad_lo
                        entropy_weight=None if ent_w is None else ent_w * grad_loss)
 
 
+def _canonical_entropies(x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, inv: float) -> torch.Tensor:
+    """`[B, T]` entropies of the `[B, T, V]` logits times `inv` from fixed tiles (`canonical.entropy_of`'s bits on every
+    machine), for `top_entropy_quantile`'s mask: the online entropies' bits depend on each row's alignment, so
+    rows equal in exact math (a group's first completion token) could fall on both sides of the quantile."""
+    stats = row_stats(x, None, ids, mask, 0, DEFAULT_VOCAB_TILE, inv, entropy=True)[1]
+    return merge_lse(stats[:1], mask, entropy=True)[1].view(mask.shape)
+
+
 class TritonGRPOLossOp:
     """Same call as the native op (`NativeGRPOLossOp.__call__`, every option), plus `single_pass` (compute the
     gradient during the forward), `inplace` (implies single pass: the gradient overwrites `policy_logits`) and
@@ -412,7 +421,9 @@ class TritonGRPOLossOp:
     sequence kernel reads the ratios (`sequence_ratio`, torch ops on `[B, T]` between the kernels), and the backward
     computes each token's coefficient (`canonical.sequence_coef` on `[B, T]`) before its second pass. The off-policy
     mask (`off_policy_mask_threshold`) and vespo's gamma weight likewise: the advantages first, then the weights from
-    the log-probs, which the sequence kernel and the backward read (`canonical.importance_weights`). Eager only.
+    the log-probs, which the sequence kernel and the backward read (`canonical.importance_weights`). Eager only. So
+    are `entropy_coef` and `top_entropy_quantile`: the row kernel's online entropies, or, with a quantile below 1, the
+    canonical ones from one more read of the rows (`_canonical_entropies`: equal rows stay tied).
 
     `check_values`: a bad id, mask value, reward, given advantage or old log-prob, or a non-finite log-prob,
     raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
@@ -496,7 +507,8 @@ class TritonGRPOLossOp:
 
             def weigh(logp, adv, is_ratio, ent):
                 nonlocal keep
-                if ent is not None:
+                if ent is not None and o.top_entropy < 1.0:
+                    ent.copy_(_canonical_entropies(x, action_ids, o.mask, inv))  # over the online ones
                     keep = canonical.entropy_keep(ent, o.mask, o.top_entropy)
                 return canonical.importance_weights(logp, old.view(B, T), adv, o.mask, is_ratio, o.off_policy,
                                                     None if sampling is None else sampling.view(B, T), o.gamma,
