@@ -13,7 +13,9 @@ without the all_gather of the statistics (`[tokens, vocab / tile]` floats). `det
 reference of the same bits. Backends named `*_ref_logps` take the reference as given log-probs (`ref_logps`,
 computed before the timing) instead of its logits: their floors count one logits tensor, not two (forward aE/BW,
 forward+backward (a+1)E/BW, two-pass (2a+1)E/BW). `*_gspo`: GSPO's `importance_sampling_level="sequence"`;
-`*_vespo`: `loss_type="vespo"` (both: the fast op two-pass only).
+`*_vespo`: `loss_type="vespo"`; `*_entropy`: TRL's entropy bonus (`entropy_coef=0.01`: the token entropies, a third
+row statistic); `triton_two_pass_top_entropy`: and `top_entropy_quantile=0.2` (one more read of the rows for the
+canonical entropies). The fast op runs these two-pass only.
 """
 
 from __future__ import annotations
@@ -35,14 +37,13 @@ from grpo_core.triton.ratio_kl import BLOCK_V, NUM_STAGES, NUM_WARPS, token_logp
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def deterministic(spp: int, kernels_name: str, level: str = "token", loss_type: str | None = None):
+def deterministic(spp: int, kernels_name: str, level: str = "token", **options):
     op = DistributedGRPOLossOp(kernels=kernels_name)
 
     def run(inp):
         B, T, V = inp["policy_logits"].shape
         c = GRPOLossContract(num_sequences=B, padded_seq_len=T, vocab_size=V, samples_per_prompt=spp, beta=0.04,
-                             determinism_scope="topology_invariant", importance_sampling_level=level,
-                             loss_type=loss_type)
+                             determinism_scope="topology_invariant", importance_sampling_level=level, **options)
         return op.apply(inp["policy_logits"], inp["action_ids"], inp["old_logps"], inp["rewards"], contract=c,
                         completion_mask=inp["completion_mask"], ref_local_logits=inp["ref_logits"],
                         ref_logps=inp.get("ref_logps")).loss
@@ -97,6 +98,10 @@ def backends(spp: int, skip: set[str]) -> dict:
     out["deterministic_gspo"] = deterministic(spp, "triton", "sequence")
     out["triton_two_pass_vespo"] = lambda inp: triton_op(**inp, samples_per_prompt=spp, loss_type="vespo")[0]
     out["deterministic_vespo"] = deterministic(spp, "triton", loss_type="vespo")
+    out["triton_two_pass_entropy"] = lambda inp: triton_op(**inp, samples_per_prompt=spp, entropy_coef=0.01)[0]
+    out["triton_two_pass_top_entropy"] = lambda inp: triton_op(**inp, samples_per_prompt=spp, entropy_coef=0.01,
+                                                               top_entropy_quantile=0.2)[0]
+    out["deterministic_entropy"] = deterministic(spp, "triton", entropy=True, entropy_coef=0.01)
     out["deterministic_ref_logps"] = deterministic(spp, "triton")
     out["deterministic_tp2"] = one_tp_rank(spp, 2)
     out["deterministic_tp4"] = one_tp_rank(spp, 4)

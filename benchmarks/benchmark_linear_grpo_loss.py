@@ -9,7 +9,8 @@ contract path at 1x1), `matmul_then_triton` (`h @ W.T` in torch, then our fast T
 logits), `native` (`h @ W.T`, then the native op), and Liger's `LigerFusedLinearGRPOLoss` (what TRL's
 `use_liger_kernel=True` runs) when it imports. beta 0 is TRL's default; beta 0.04 takes `ref_logps`. `*_gspo`:
 the same with GSPO's `importance_sampling_level="sequence"` (ours computes the logits twice: its floor stays three
-matmuls).
+matmuls). `linear_entropy`: with the token entropies (`entropy=True`, a third row statistic), as `GRPOCoreTrainer`
+runs it.
 Peak memory is the peak allocated over what was allocated before the call, gradients included.
 """
 
@@ -74,6 +75,9 @@ def backends(beta: float) -> dict:
         h, w, i["ids"], i["old"], completion_mask=i["mask"], advantages=i["adv"], ref_logps=ref_of(i), beta=beta,
         loss_type="dapo", importance_sampling_level=level).loss for suffix, level in (("", "token"),
                                                                                       ("_gspo", "sequence"))}
+    out["linear_entropy"] = lambda i, h, w: linear_grpo_loss(  # what GRPOCoreTrainer runs: the entropies logged
+        h, w, i["ids"], i["old"], completion_mask=i["mask"], advantages=i["adv"], ref_logps=ref_of(i), beta=beta,
+        loss_type="dapo", entropy=True).loss
 
     def materialized(op):
         def run(i, h, w):
