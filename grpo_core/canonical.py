@@ -24,6 +24,7 @@ formulas with torch's own `exp` (`ratio_and_kl(..., exp=torch.exp)`) and the can
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -397,12 +398,19 @@ def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: 
     return is_ratio, phi
 
 
-def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, top: float) -> torch.Tensor:
+def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, top: float,
+                 exact: Callable[[torch.Tensor], torch.Tensor] | None = None, slack: float = 0.0) -> torch.Tensor:
     """TRL's `get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)`, bool `[S, T]`: the active tokens whose
     entropy is >= the `1 - top` quantile of the batch's active entropies (all of them with `top = 1`; none without an
     active token). The quantile is `torch.quantile`'s linear interpolation between the sorted values `v` (`n` of
     them), in fp32 ops without a fused multiply-add: `r = fp32(1 - top) * fp32(n - 1)`, `i = floor(r)`, `w = r - i`,
-    `a, b = v[i], v[min(i + 1, n - 1)]`, then `a + w * (b - a)` if `w < 0.5` else `b - (b - a) * (1 - w)`."""
+    `a, b = v[i], v[min(i + 1, n - 1)]`, then `a + w * (b - a)` if `w < 0.5` else `b - (b - a) * (1 - w)`.
+
+    `exact` (with `entropy` within `slack * (1 + max entropy)` of the exact entropies at every active token): a
+    function of a bool `[S, T]` band that returns the entropies, exact in the band. Only the tokens within twice that
+    of `v[i]` or `v[i + 1]` are asked for (those beyond it fall on the same side of the exact quantile, which lies
+    among the band's exact values), so the mask is that of the exact entropies; if the bound fails in the band, every
+    token's."""
     if top == 1.0:
         return mask
     v = entropy[mask].sort().values
@@ -410,9 +418,19 @@ def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, top: float) -> torch
     if n == 0:
         return torch.zeros_like(mask)
     r = fp32(1.0 - top, v) * fp32(float(n - 1), v)
-    i = r.floor()
-    a, b = v[i.long()], v[(i.long() + 1).clamp(max=n - 1)]
-    w = r - i
+    i = int(r.floor())
+    j = min(i + 1, n - 1)
+    if exact is not None:
+        d = 2.0 * slack * (1.0 + v[-1])
+        band = mask & (entropy >= v[i] - d) & (entropy <= v[j] + d)
+        below = int((mask & (entropy < v[i] - d)).sum())
+        given, entropy = entropy.clone(), exact(band)
+        if ((entropy - given)[band].abs() > d / 2).any():  # the bound fails in the band: every token exactly
+            return entropy_keep(exact(mask), mask, top)
+        v = entropy[band].sort().values
+        i, j = i - below, j - below
+    a, b = v[i], v[j]
+    w = r - r.floor()
     threshold = torch.where(w < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
     return mask & (entropy >= threshold)
 

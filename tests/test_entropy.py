@@ -210,6 +210,57 @@ def test_minus_inf_logits_keep_the_gradient_finite(backend):
         assert_close_verbose(ent, want_ent, atol=1e-6, rtol=1e-6, what=f"{backend} token entropies")
 
 
+def test_entropy_keep_asks_for_exact_entropies_near_the_quantile_only():
+    """With entropies within the slack of the exact ones (ties among the exact ones included), `entropy_keep` keeps
+    the tokens of the exact entropies' mask and asks for the exact values of a few tokens only; where the bound fails
+    in the band, it asks for every token."""
+    g = torch.Generator().manual_seed(2)
+    slack = 2.0 ** -12
+    for k in range(300):
+        exact = (torch.rand(4, 64, generator=g) * 8).round(decimals=int(k % 3))  # many exact ties
+        mask = torch.rand(4, 64, generator=g) < 0.8
+        near = exact + (torch.rand(4, 64, generator=g) * 2 - 1) * slack * (1 + exact[mask].max())
+        asked = []
+
+        def fill(band):
+            asked.append(int(band.sum()))
+            return torch.where(band, exact, near)
+        top = float(torch.rand((), generator=g))
+        assert torch.equal(canonical.entropy_keep(near, mask, top, fill, slack), canonical.entropy_keep(exact, mask, top))
+        if k % 3 == 2:  # no ties: only the tokens near the quantile
+            assert asked[0] <= 8, asked
+    exact = torch.arange(10.0)[None]
+    near = exact.clone()
+    near[0, 4] = 5.0  # off by more than the slack, in the band: every token exactly
+    asked = []
+    keep = canonical.entropy_keep(near, torch.ones_like(near, dtype=torch.bool), 0.5,
+                                  lambda band: asked.append(int(band.sum())) or torch.where(band, exact, near), slack)
+    assert asked == [2, 10] and keep.tolist() == [[False] * 5 + [True] * 5]
+
+
+def test_online_entropies_are_within_the_slack():
+    """The fast op's online entropies against the canonical ones, over rows of every scale, -inf logits and equal
+    logits included, both dtypes, with a temperature: within a hundredth of the slack its mask's band assumes."""
+    from grpo_core.triton.grpo_loss import ONLINE_ENTROPY_SLACK, _canonical_entropies
+    from grpo_core.triton.ratio_kl import launch_forward
+    worst = 0.0
+    for v in (50257, 151936) if HAS_CUDA else (999,):  # the interpreter is slow
+        g = torch.Generator().manual_seed(v)
+        for dtype in (torch.bfloat16, torch.float32):
+            for scale in (0.01, 1.0, 30.0, 300.0) if HAS_CUDA else (1.0, 30.0):
+                x = torch.randn(3, 5, v, generator=g) * scale
+                x[0, 0, v // 3:] = float("-inf")
+                x[1, 1] = 0.0
+                x = x.to(dtype).to(DEV)
+                ids = torch.randint(0, v, (3, 5), generator=g).to(DEV)
+                mask = torch.ones(3, 5, dtype=torch.bool, device=DEV)
+                for inv in (1.0, 1 / 0.7):
+                    online = launch_forward(lambda k: k, x, None, ids, mask, None, inv=inv, entropy=True)[3].view(3, 5)
+                    exact = _canonical_entropies(x, ids, mask, inv)
+                    worst = max(worst, float((online - exact).abs().max() / (1 + exact.max())))
+    assert worst <= ONLINE_ENTROPY_SLACK / 100, worst
+
+
 def test_top_entropy_quantile_zero_keeps_the_largest_entropy():
     """0.0 is TRL's "all but the highest entropy token masked": the quantile at 1, the maximum."""
     ent = torch.tensor([[0.5, 2.0, 1.0], [2.0, 0.1, 0.0]])

@@ -403,10 +403,16 @@ def _sequence_grad(policy, ids, mask, out, adv, weight, is_ratio, ratio, grad_lo
                        entropy_weight=None if ent_w is None else ent_w * grad_loss)
 
 
+# The online entropies lie within ONLINE_ENTROPY_SLACK * (1 + the batch's largest) of the canonical ones, with a wide
+# margin: `tests/test_entropy.py` asks for a hundredth of it over rows of every scale (a few fp32 roundings per chunk).
+ONLINE_ENTROPY_SLACK = 2.0 ** -12
+
+
 def _canonical_entropies(x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, inv: float) -> torch.Tensor:
-    """`[B, T]` entropies of the `[B, T, V]` logits times `inv` from fixed tiles (`canonical.entropy_of`'s bits on every
-    machine), for `top_entropy_quantile`'s mask: the online entropies' bits depend on each row's alignment, so
-    rows equal in exact math (a group's first completion token) could fall on both sides of the quantile."""
+    """`[B, T]` entropies of the `[B, T, V]` logits times `inv` at the active tokens of `mask` from fixed tiles
+    (`canonical.entropy_of`'s bits on every machine), for `top_entropy_quantile`'s mask: the online entropies' bits
+    depend on each row's alignment, so rows equal in exact math (a group's first completion token) could fall on
+    both sides of the quantile. Only the tokens near it are read again (`canonical.entropy_keep`'s `exact`)."""
     stats = row_stats(x, None, ids, mask, 0, DEFAULT_VOCAB_TILE, inv, entropy=True)[1]
     return merge_lse(stats[:1], mask, entropy=True)[1].view(mask.shape)
 
@@ -422,8 +428,9 @@ class TritonGRPOLossOp:
     computes each token's coefficient (`canonical.sequence_coef` on `[B, T]`) before its second pass. The off-policy
     mask (`off_policy_mask_threshold`) and vespo's gamma weight likewise: the advantages first, then the weights from
     the log-probs, which the sequence kernel and the backward read (`canonical.importance_weights`). Eager only. So
-    are `entropy_coef` and `top_entropy_quantile`: the row kernel's online entropies, or, with a quantile below 1, the
-    canonical ones from one more read of the rows (`_canonical_entropies`: equal rows stay tied).
+    are `entropy_coef` and `top_entropy_quantile`: the row kernel's online entropies; with a quantile below 1, the
+    mask is that of the canonical entropies (equal rows stay tied), which replace the online ones of the few tokens
+    near the quantile (`_canonical_entropies`, one more read of their rows).
 
     `check_values`: a bad id, mask value, reward, given advantage or old log-prob, or a non-finite log-prob,
     raises the native op's `LossContractError`. "deferred" (default): no device sync (the host can run ahead of
@@ -508,8 +515,9 @@ class TritonGRPOLossOp:
             def weigh(logp, adv, is_ratio, ent):
                 nonlocal keep
                 if ent is not None and o.top_entropy < 1.0:
-                    ent.copy_(_canonical_entropies(x, action_ids, o.mask, inv))  # over the online ones
-                    keep = canonical.entropy_keep(ent, o.mask, o.top_entropy)
+                    def exact(band):  # the canonical entropies in the band, written over the online ones
+                        return ent.copy_(torch.where(band, _canonical_entropies(x, action_ids, band, inv), ent))
+                    keep = canonical.entropy_keep(ent, o.mask, o.top_entropy, exact, ONLINE_ENTROPY_SLACK)
                 return canonical.importance_weights(logp, old.view(B, T), adv, o.mask, is_ratio, o.off_policy,
                                                     None if sampling is None else sampling.view(B, T), o.gamma,
                                                     exp_of, None if o.top_entropy == 1.0 else keep)[0]
