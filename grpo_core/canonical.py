@@ -406,11 +406,11 @@ def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, top: float,
     them), in fp32 ops without a fused multiply-add: `r = fp32(1 - top) * fp32(n - 1)`, `i = floor(r)`, `w = r - i`,
     `a, b = v[i], v[min(i + 1, n - 1)]`, then `a + w * (b - a)` if `w < 0.5` else `b - (b - a) * (1 - w)`.
 
-    `exact` (with `entropy` within `slack * (1 + max entropy)` of the exact entropies at every active token): a
+    `exact` (assumes `entropy` within `slack * (1 + max entropy)` of the exact entropies at every active token): a
     function of a bool `[S, T]` band that returns the entropies, exact in the band. Only the tokens within twice that
     of `v[i]` or `v[i + 1]` are asked for (those beyond it fall on the same side of the exact quantile, which lies
     among the band's exact values), so the mask is that of the exact entropies; if the bound fails in the band, every
-    token's."""
+    token is asked for (outside it, a failure goes unseen)."""
     if top == 1.0:
         return mask
     v = entropy[mask].sort().values
@@ -420,7 +420,7 @@ def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, top: float,
     r = fp32(1.0 - top, v) * fp32(float(n - 1), v)
     i = int(r.floor())
     j = min(i + 1, n - 1)
-    if exact is not None:
+    if exact is not None and bool(torch.isfinite(v[-1])):  # (a NaN entropy: the loss raises after)
         d = 2.0 * slack * (1.0 + v[-1])
         band = mask & (entropy >= v[i] - d) & (entropy <= v[j] + d)
         below = int((mask & (entropy < v[i] - d)).sum())

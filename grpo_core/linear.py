@@ -53,10 +53,10 @@ from .checks import (check_derived_advantages, check_inputs, check_loss, check_o
                      stand_in)
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LogprobContract,
                        LossContractError, Surrogate, check_temperature, inverse_temperature)
-from .distributed.grpo_loss import entropy_keep, gather_sequences
+from .distributed.grpo_loss import gather_sequences, gathered_entropy_keep
 from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
-from .result import GRPOLossResult, provenance
+from .result import GRPOLossResult, entropy_fields, provenance
 
 __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
 
@@ -517,7 +517,7 @@ class LinearGRPOLossOp:
         ent = keep = None
         if ent_rows is not None:
             ent = full.index_put((rows,), ent_rows).view(n_local, T)
-            keep = entropy_keep(ent, mask, contract, dp_group)
+            keep = gathered_entropy_keep(ent, mask, contract, dp_group)
         is_ratio, phi = canonical.importance_weights(logp, old, adv, mask, is_ratio, contract.off_policy_mask_threshold,
                                                      sampling_logps, gamma, k.exp,
                                                      None if contract.top_entropy_quantile == 1.0 else keep)
@@ -567,9 +567,7 @@ class LinearGRPOLossOp:
             advantages=advantages_all, per_sequence_active_tokens=counts, clip_fraction=clip_fraction,
             mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
             vespo_phi=None if phi is None else gather_sequences(phi, contract, dp_group),
-            **({} if ent is None else dict(token_entropy=gather_sequences(ent, contract, dp_group),
-                                           per_sequence_entropy=sums[3],
-                                           entropy_token_mean=canonical.token_mean(sums[3], counts))),
+            **({} if ent is None else entropy_fields(gather_sequences(ent, contract, dp_group), sums[3], counts)),
             provenance=provenance(self.backend, hidden, backend_id=BACKEND_ID, kernels=k.name,
                                   fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,

@@ -8,6 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
+from . import canonical
+
 
 @dataclass(frozen=True, slots=True)
 class GRPOLossResult:
@@ -43,6 +45,15 @@ class GRPOLossResult:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.loss, self.policy_loss, self.kl))
+
+
+
+def entropy_fields(token_entropy: torch.Tensor, per_sequence: torch.Tensor, counts: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+    """The result's entropy fields from the token entropies `[S, T]` (0.0 on masked tokens), their sums per sequence
+    and the active tokens per sequence."""
+    return dict(token_entropy=token_entropy, per_sequence_entropy=per_sequence,
+                entropy_token_mean=canonical.token_mean(per_sequence, counts))
 
 
 def provenance(backend: str, logits: torch.Tensor, **extra: Any) -> dict[str, Any]:

@@ -114,12 +114,18 @@ def test_each_option_changes_the_gradient(case):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_the_deterministic_kernel_sets_agree_bitwise(case):
-    results = [DistributedGRPOLossOp(k).apply(
-        INPUTS["policy_logits"].detach().clone().requires_grad_(True), INPUTS["action_ids"], INPUTS["old_logps"],
-        contract=contract(*case, determinism_scope="topology_invariant"), completion_mask=INPUTS["completion_mask"],
-        advantages=ADV, ref_local_logits=INPUTS["ref_logits"], check_values="sync") for k in ("torch", "triton")]
+    results, grads = [], []
+    for k in ("torch", "triton"):
+        x = INPUTS["policy_logits"].detach().clone().requires_grad_(True)
+        results.append(DistributedGRPOLossOp(k).apply(
+            x, INPUTS["action_ids"], INPUTS["old_logps"],
+            contract=contract(*case, determinism_scope="topology_invariant"), completion_mask=INPUTS["completion_mask"],
+            advantages=ADV, ref_local_logits=INPUTS["ref_logits"], check_values="sync"))
+        results[-1].loss.backward()
+        grads.append(x.grad)
     for name in ("loss", "token_entropy", "per_sequence_entropy", "entropy_token_mean", "per_sequence_policy"):
         assert_bitwise_equal(getattr(results[0], name).detach(), getattr(results[1], name).detach(), name)
+    assert_bitwise_equal(grads[0], grads[1], "gradient")
 
 
 def test_entropy_statistic_matches_float64():
@@ -226,7 +232,8 @@ def test_entropy_keep_asks_for_exact_entropies_near_the_quantile_only():
             asked.append(int(band.sum()))
             return torch.where(band, exact, near)
         top = float(torch.rand((), generator=g))
-        assert torch.equal(canonical.entropy_keep(near, mask, top, fill, slack), canonical.entropy_keep(exact, mask, top))
+        want = canonical.entropy_keep(exact, mask, top)
+        assert torch.equal(canonical.entropy_keep(near, mask, top, fill, slack), want)
         if k % 3 == 2:  # no ties: only the tokens near the quantile
             assert asked[0] <= 8, asked
     exact = torch.arange(10.0)[None]
@@ -259,6 +266,20 @@ def test_online_entropies_are_within_the_slack():
                     exact = _canonical_entropies(x, ids, mask, inv)
                     worst = max(worst, float((online - exact).abs().max() / (1 + exact.max())))
     assert worst <= ONLINE_ENTROPY_SLACK / 100, worst
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_a_row_without_a_finite_logit_raises_with_the_mask(backend):
+    """Its entropy is NaN: the quantile's band is skipped and the contract's error comes, not an IndexError."""
+    i = INPUTS
+    x = i["policy_logits"].detach().clone()
+    b, t = i["completion_mask"].nonzero()[0].tolist()
+    x[b, t] = float("-inf")
+    extra = {"check_values": "sync"} if backend == "triton" else {}
+    with pytest.raises(LossContractError, match="policy_logits"):
+        kernel_registry.get_op("grpo_loss", backend=backend)(
+            x, None, i["action_ids"], i["old_logps"], None, i["completion_mask"], beta=0.0, advantages=ADV,
+            top_entropy_quantile=0.5, **extra)
 
 
 def test_top_entropy_quantile_zero_keeps_the_largest_entropy():

@@ -37,7 +37,7 @@ from ..checks import (check_derived_advantages, check_inputs, check_logprobs, ch
                       check_tensor, stand_in)
 from ..contract import (AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LossContractError,
                         inverse_temperature)
-from ..result import GRPOLossResult, provenance
+from ..result import GRPOLossResult, entropy_fields, provenance
 from .preflight import check_logprobs_everywhere, preflight, replicated_digest
 from .vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
 
@@ -56,7 +56,8 @@ def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: 
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
-def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, contract: GRPOLossContract, dp_group: Any) -> torch.Tensor:
+def gathered_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, contract: GRPOLossContract,
+                          dp_group: Any) -> torch.Tensor:
     """This rank's `[n_local, T]` of `canonical.entropy_keep` over the whole batch's entropies and mask (gathered:
     every rank computes the same quantile): the active tokens whose policy terms are kept."""
     top = contract.top_entropy_quantile
@@ -69,7 +70,8 @@ def entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, contract: GRPOLossCo
 
 class _Loss(torch.autograd.Function):
     """Forward: the loss computed outside autograd. Backward: `grad_output * coef * (onehot - softmax)` on this
-    rank's active rows, zeros elsewhere; no communication (every rank holds the replicated loss)."""
+    rank's active rows (with an entropy bonus, plus its term `coef_h * p * (log p + H)`), zeros elsewhere; no
+    communication (every rank holds the replicated loss)."""
 
     @staticmethod
     def forward(ctx, logits, loss, backward):
@@ -242,8 +244,7 @@ class DistributedGRPOLossOp:
             advantages=advantages_all, per_sequence_active_tokens=ints[0], clip_fraction=clip_fraction,
             mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
             vespo_phi=None if phi is None else c.gather(phi),
-            **({} if ent is None else dict(token_entropy=c.gather(ent), per_sequence_entropy=sums[3],
-                                           entropy_token_mean=canonical.token_mean(sums[3], ints[0]))),
+            **({} if ent is None else entropy_fields(c.gather(ent), sums[3], ints[0])),
             provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID, kernels=k.name,
                                   fingerprint=contract.fingerprint(), tile_width=contract.logprob_contract.tile_width,
                                   tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
@@ -327,7 +328,7 @@ class _TorchKernels:
                                                sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
         local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        keep = entropy_keep(ent[0], c.mask, c.contract, c.dp_group) if ent else None
+        keep = gathered_entropy_keep(ent[0], c.mask, c.contract, c.dp_group) if ent else None
         w_is, phi = c.weights(logp, adv, canonical.exp, keep)
         policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
                                              o.sapo_temperatures)
@@ -428,7 +429,7 @@ class _TritonKernels:
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
             ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
-        keep = None if ent is None else entropy_keep(ent, c.mask, c.contract, c.dp_group)
+        keep = None if ent is None else gathered_entropy_keep(ent, c.mask, c.contract, c.dp_group)
         w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask), kernels.exp_of, keep)
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,

@@ -21,7 +21,7 @@ from ..checks import (LossOptions, check_derived_advantages, check_inputs, check
                       check_option_inputs, check_tensor, loss_options)
 from ..contract import (AdvantageStd, AdvantagesInput, DeterminismScope, GRPOLossContract, LossContractError,
                         TokenNormalizer, inverse_temperature)
-from ..result import GRPOLossResult, provenance
+from ..result import GRPOLossResult, entropy_fields, provenance
 from .ratio_kl import selected_logprobs
 
 
@@ -159,14 +159,7 @@ class NativeGRPOLossOp:
         return GRPOLossResult(loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy.detach(),
                               per_sequence_kl=per_seq_kl.detach(), advantages=advantages,
                               per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
-                              kl_token_mean=kl_token_mean, vespo_phi=phi, **_entropy_outputs(ent, counts),
+                              kl_token_mean=kl_token_mean, vespo_phi=phi,
+                              **({} if ent is None else entropy_fields(ent.detach(), canonical.pair_sum(ent.detach()),
+                                                                       counts)),
                               provenance=provenance(self.backend, policy_logits, **extra))
-
-
-def _entropy_outputs(ent: torch.Tensor | None, counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The result's entropy fields from the token entropies `[S, T]` (0.0 on masked tokens), or none."""
-    if ent is None:
-        return {}
-    per_sequence = canonical.pair_sum(ent.detach())
-    return dict(token_entropy=ent.detach(), per_sequence_entropy=per_sequence,
-                entropy_token_mean=canonical.token_mean(per_sequence, counts))

@@ -301,7 +301,8 @@ def _merge_kernel(
         read = active[:, None] & (t < tiles)[None, :]
         u = tl.zeros((ROWS, BT), tl.float32)
         if ENTROPY:
-            u = tl.load(m_ptr + 2 * plane + at, mask=read, other=0.0)
+            if k == 0:  # the first tensor's (the others' third plane is not read)
+                u = tl.load(m_ptr + 2 * plane + at, mask=read, other=0.0)
         m, s, u = _merge(tl.load(m_ptr + at, mask=read, other=float("-inf")),
                          tl.load(m_ptr + plane + at, mask=read, other=0.0), u, ROWS, BT, LOG2BT, ENTROPY)
         ms = tl.where(chunk == c, m[:, None], ms)
@@ -705,7 +706,7 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False
     (`canonical.entropy_of`)."""
     K, _, N, tiles = stats.shape
     lse = torch.empty(K, N, dtype=torch.float32, device=stats.device)
-    ent = torch.empty(N, dtype=torch.float32, device=stats.device)
+    ent = torch.empty(N, dtype=torch.float32, device=stats.device) if entropy else lse  # (lse: not written)
     bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)))
     rows = min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1)))
     chunks = triton.next_power_of_2(-(-tiles // bt))

@@ -155,8 +155,8 @@ def _token_coef(logp, logp_ref, old, adv, weight, lo, hi, beta, delta, w_is, tau
 
 
 @triton.jit
-def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv, SCALE: tl.constexpr,
-                MASKED: tl.constexpr, BLOCK: tl.constexpr, ch=0.0, h=0.0, ENTROPY: tl.constexpr = False):
+def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv, ch, h, SCALE: tl.constexpr,
+                MASKED: tl.constexpr, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     c = offs - shift  # column
     if MASKED:  # the head (columns before the row belong to the previous row) and the tail
@@ -178,32 +178,32 @@ def _grad_chunk(x_base, g_base, start, shift, V, lse, coef, action, active, inv,
 
 
 @triton.jit
-def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, inv, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-              SUB: tl.constexpr, ch=0.0, h=0.0, ENTROPY: tl.constexpr = False):
+def _grad_row(x_base, g_base, shift, V, lse, coef, action, active, inv, ch, h, SCALE: tl.constexpr,
+              BLOCK: tl.constexpr, SUB: tl.constexpr, ENTROPY: tl.constexpr):
     """Offsets `[shift, V + shift)` from the aligned bases hold the row: a masked `SUB`-wide head when the row
     does not start on a boundary, unmasked aligned `BLOCK`-wide chunks, unmasked `SUB`-wide ones, and one masked
     `SUB`-wide end (masked chunks are scalar loads and stores, so they are kept small)."""
     end = V + shift
     head = tl.where(shift == 0, 0, SUB)
     if shift != 0:
-        _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, inv, SCALE, True, SUB, ch, h, ENTROPY)
+        _grad_chunk(x_base, g_base, 0, shift, V, lse, coef, action, active, inv, ch, h, SCALE, True, SUB, ENTROPY)
     full = tl.maximum(end - head, 0) // BLOCK
     for k in range(0, full):
-        _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, inv, SCALE, False, BLOCK,
-                    ch, h, ENTROPY)
+        _grad_chunk(x_base, g_base, head + k * BLOCK, shift, V, lse, coef, action, active, inv, ch, h, SCALE, False,
+                    BLOCK, ENTROPY)
     start = head + full * BLOCK
     subs = tl.maximum(end - start, 0) // SUB
     for j in range(0, subs):
-        _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, inv, SCALE, False, SUB, ch,
-                    h, ENTROPY)
+        _grad_chunk(x_base, g_base, start + j * SUB, shift, V, lse, coef, action, active, inv, ch, h, SCALE, False,
+                    SUB, ENTROPY)
     if start + subs * SUB < end:
-        _grad_chunk(x_base, g_base, start + subs * SUB, shift, V, lse, coef, action, active, inv, SCALE, True, SUB,
-                    ch, h, ENTROPY)
+        _grad_chunk(x_base, g_base, start + subs * SUB, shift, V, lse, coef, action, active, inv, ch, h, SCALE, True,
+                    SUB, ENTROPY)
 
 
 @triton.jit
-def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE: tl.constexpr,
-                VEC: tl.constexpr, BLOCK: tl.constexpr, ch=0.0, h=0.0, ENTROPY: tl.constexpr = False):
+def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, ch, h,
+                SCALE: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
     """`coef * (onehot(action) - exp(x - lse))` in the gradient's dtype for one row, times `inv` with SCALE (`x`:
     the logits times `inv`); exact zeros (and no reads) when not active. Chunks follow the gradient row's 16-byte
     boundaries (aligned, unmasked vector stores in the body); the policy row's loads are aligned too when its start
@@ -216,10 +216,10 @@ def _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, act
     x_start = row * stride_x
     if x_start % VEC == shift:
         _grad_row(x_ptr + tl.multiple_of(x_start - shift, VEC), g_base, shift, V, lse, coef, action, active, inv,
-                  SCALE, BLOCK, SUB, ch, h, ENTROPY)
+                  ch, h, SCALE, BLOCK, SUB, ENTROPY)
     else:  # x_start >= row * stride_g >= shift (the gradient rows are packed), so never before x_ptr
-        _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, inv, SCALE, BLOCK, SUB, ch,
-                  h, ENTROPY)
+        _grad_row(x_ptr + (x_start - shift), g_base, shift, V, lse, coef, action, active, inv, ch, h, SCALE, BLOCK,
+                  SUB, ENTROPY)
 
 
 def _logprob_fwd_kernel(
@@ -289,7 +289,8 @@ def _logprob_fwd_kernel(
         w_is = tl.load(is_ptr + row) if HAS_IS else adv
         coef = _token_coef(logp, logp_ref, tl.load(old_ptr + row), adv, tl.load(w_ptr + seq), lo, hi,
                            beta, delta, w_is, tau_pos, tau_neg, HAS_REF, HAS_IS, BIAS_KL, SURROGATE)
-        _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC_X, BLOCK)
+        _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, 0.0, 0.0, SCALE, VEC_X,
+                    BLOCK, False)
 
 
 def _logprob_grad_kernel(
@@ -342,7 +343,7 @@ def _logprob_grad_kernel(
         if not COEF_FROM_PTR:
             ch = ch * tl.load(coef_ptr)
         h = tl.load(out_ptr + 3 * N + row)
-    _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, SCALE, VEC, BLOCK, ch, h,
+    _write_grad(x_ptr, g_ptr, row, stride_x, stride_g, V, lse, coef, action, active, inv, ch, h, SCALE, VEC, BLOCK,
                 ENTROPY)
 
 
