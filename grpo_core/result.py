@@ -47,7 +47,6 @@ class GRPOLossResult:
         return iter((self.loss, self.policy_loss, self.kl))
 
 
-
 def entropy_fields(token_entropy: torch.Tensor, per_sequence: torch.Tensor, counts: torch.Tensor
                    ) -> dict[str, torch.Tensor]:
     """The result's entropy fields from the token entropies `[S, T]` (0.0 on masked tokens), their sums per sequence
