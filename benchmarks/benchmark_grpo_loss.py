@@ -136,9 +136,13 @@ def main() -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--active", type=float, default=0.9)
     p.add_argument("--skip", default="", help="comma-separated backends to skip (e.g. compile,native)")
+    p.add_argument("--only", default="", help="comma-separated backends to run, the others skipped")
     p.add_argument("--out", default="grpo_loss")
     args = p.parse_args()
     dtype, skip, prov, rows = DTYPES[args.dtype], set(filter(None, args.skip.split(","))), provenance(), []
+    only = set(filter(None, args.only.split(",")))
+    if only:  # the other backends (torch.compile's is skipped as "compile")
+        skip |= set(backends(1, {"compile"})) - only | ({"compile"} if "torch_compile" not in only else set())
     for P, S, L, V in parse_configs(args.configs):
         B, T = P * S, L
         inp = make_inputs(B, T, V, dtype, args.active)

@@ -383,6 +383,9 @@ class GRPOLossContract:
     determinism_scope: DeterminismScope = DeterminismScope.RUN_TO_RUN
     vocab_tile: int = DEFAULT_VOCAB_TILE
     logprob: LogprobContract | None = None  # None: derived from the fields above (see logprob_contract)
+    # computed once (a loss call reads them several times): the derived logprob contract, the fingerprint
+    _derived: LogprobContract | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _fingerprint: str | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_int("num_sequences", self.num_sequences, minimum=1)
@@ -429,6 +432,7 @@ class GRPOLossContract:
         _set(self, "sharding", sharding)
 
         derived = self._derived_logprob()  # validates the tile width against the vocab shards
+        _set(self, "_derived", derived)
         if self.logprob is not None:
             if not isinstance(self.logprob, LogprobContract):
                 raise LossContractError(f"logprob: expected a LogprobContract, got {type(self.logprob).__name__}")
@@ -449,7 +453,7 @@ class GRPOLossContract:
     @property
     def logprob_contract(self) -> LogprobContract:
         """The nested logprob contract: the one given, checked against this contract, or the derived one."""
-        return self.logprob if self.logprob is not None else self._derived_logprob()
+        return self.logprob if self.logprob is not None else self._derived
 
     @property
     def groups(self) -> tuple[int, ...] | None:
@@ -541,8 +545,10 @@ class GRPOLossContract:
 
     def fingerprint(self) -> str:
         """A stable hex digest of `numeric_fields()`: equal on every rank of one job, across processes and runs."""
-        blob = json.dumps(self.numeric_fields(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+        if self._fingerprint is None:
+            blob = json.dumps(self.numeric_fields(), sort_keys=True, separators=(",", ":"))
+            _set(self, "_fingerprint", hashlib.sha256(blob.encode()).hexdigest()[:32])
+        return self._fingerprint
 
 
 def check_groups(num_sequences: int, samples_per_prompt: Any, group_boundaries: Any,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -55,8 +56,12 @@ def entropy_fields(token_entropy: torch.Tensor, per_sequence: torch.Tensor, coun
                 entropy_token_mean=canonical.token_mean(per_sequence, counts))
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+
+
 def provenance(backend: str, logits: torch.Tensor, **extra: Any) -> dict[str, Any]:
     """What ran: backend, versions, device and dtype, plus `extra` (the contract fingerprint, ...)."""
     return {"backend": backend, "torch": torch.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name(logits.device) if logits.is_cuda else platform.machine(),
-            "dtype": str(logits.dtype).removeprefix("torch."), **extra}
+            "device": _device_name(logits.device), "dtype": str(logits.dtype).removeprefix("torch."), **extra}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import subprocess
 import sys
 
@@ -154,6 +155,11 @@ def test_fingerprint_stable_across_builds_and_processes():
     assert out.stdout.strip() == a.fingerprint()
     # groups declared either way are the same numbers
     assert make().fingerprint() == make(samples_per_prompt=None, group_boundaries=(0, 4, 8)).fingerprint()
+    # kept once computed; a contract built from another (replace, pickle) has its own fields' fingerprint
+    assert a.fingerprint() is a.fingerprint() and "_fingerprint" not in repr(a)
+    assert dataclasses.replace(a, beta=0.2).fingerprint() == make(beta=0.2).fingerprint() != a.fingerprint()
+    assert pickle.loads(pickle.dumps(a)) == a and pickle.loads(pickle.dumps(a)).fingerprint() == a.fingerprint()
+    assert a.logprob_contract is a.logprob_contract == dataclasses.replace(a).logprob_contract
 
 
 def test_fingerprint_ignores_rank_indices_but_not_world_sizes_or_bounds():

@@ -239,6 +239,10 @@ def preflight(contract: Any, backend: str, tensors: dict[str, Any], local_checks
             nonces[axis] = max(_seat_calls.get(seats[axis], 0),
                                _group_calls.get(groups[axis], 0) if sizes[axis] is not None else 0) + 1
             _seat_calls[seats[axis]] = nonces[axis]
+    if not seats and all((sizes[a] or 1) == 1 for a in STAGES):  # a single process: nothing to gather or owe
+        if errors:
+            raise LossContractError("\n".join(errors))
+        return result
     mine = {"global_rank": global_rank, "axis_ranks": axis_ranks, "backend": backend,
             "fingerprint": contract.fingerprint() if valid else None,
             "fields": contract.numeric_fields() if valid else None,
