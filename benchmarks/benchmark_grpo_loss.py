@@ -139,10 +139,13 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated backends to run, the others skipped")
     p.add_argument("--out", default="grpo_loss")
     args = p.parse_args()
-    dtype, skip, prov, rows = DTYPES[args.dtype], set(filter(None, args.skip.split(","))), provenance(), []
-    only = set(filter(None, args.only.split(",")))
+    skip, only = set(filter(None, args.skip.split(","))), set(filter(None, args.only.split(",")))
     if only:  # the other backends (torch.compile's is skipped as "compile")
-        skip |= set(backends(1, {"compile"})) - only | ({"compile"} if "torch_compile" not in only else set())
+        known = set(backends(1, {"compile"})) | {"torch_compile"}
+        if only - known:
+            raise SystemExit(f"--only: expected backends among {sorted(known)}, got {sorted(only - known)}")
+        skip |= known - only - {"torch_compile"} | ({"compile"} if "torch_compile" not in only else set())
+    dtype, prov, rows = DTYPES[args.dtype], provenance(), []
     for P, S, L, V in parse_configs(args.configs):
         B, T = P * S, L
         inp = make_inputs(B, T, V, dtype, args.active)

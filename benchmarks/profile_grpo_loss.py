@@ -96,7 +96,9 @@ def main() -> None:
                 torch.cuda.synchronize()
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.host)
-                print("\n".join(line for line in out.getvalue().splitlines()[7:] if line.strip()))
+                lines = out.getvalue().splitlines()
+                header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+                print("\n".join(line for line in lines[header + 1:] if line.strip()))
 
 
 if __name__ == "__main__":

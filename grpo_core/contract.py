@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -386,6 +387,12 @@ class GRPOLossContract:
     # computed once (a loss call reads them several times): the derived logprob contract, the fingerprint
     _derived: LogprobContract | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _fingerprint: str | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __reduce__(self):
+        """Pickled as its constructor's arguments: unpickling validates again and computes the cached fields anew
+        (a fingerprint pickled by another version of the math is not carried over)."""
+        return functools.partial(type(self), **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                                 if f.init}), ()
 
     def __post_init__(self) -> None:
         check_int("num_sequences", self.num_sequences, minimum=1)
