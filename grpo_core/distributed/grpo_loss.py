@@ -422,15 +422,18 @@ class _TritonKernels:
             stats = torch.stack([torch.stack([g[0], g[1], *g[3:], *[torch.zeros_like(g[0])] * (o.entropy and k > 0)])
                                  for k, g in enumerate(gathered)])
             sel = torch.stack([g[2] for g in gathered])
-        lse, *ent = kernels.merge_lse(stats, c.mask, True) if o.entropy else (kernels.merge_lse(stats, c.mask),)
+        sel = sel.contiguous()  # replaced by the log-probs
+        lse, *ent = (kernels.merge_lse(stats, c.mask, True, sel) if o.entropy else
+                     (kernels.merge_lse(stats, c.mask, selected=sel),))
         ent = ent[0].view(n, T) if ent else None
-        logp = torch.where(c.mask.reshape(-1), sel - lse, 0.0).view(-1, n, T)
+        logp = sel.view(-1, n, T)
         logp_ref = logp[1] if ref is not None else given_ref
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
             ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
         keep = None if ent is None else gathered_entropy_keep(ent, c.mask, c.contract, c.dp_group)
-        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask), kernels.exp_of, keep)
+        used = o.vespo_gamma is not None or o.off_policy_mask_threshold is not None  # what reads the advantages
+        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask) if used else adv, kernels.exp_of, keep)
         sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, ratio)

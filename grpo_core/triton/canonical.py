@@ -8,11 +8,12 @@ max / min like torch, and build every sum as the same tree of adjacent pairs (`t
 dimension of two, or `tl.sum` over it: one add, the only possible order).
 
 - `_row_kernel`, one program per token row and tensor (policy, reference): the row streams in chunks of `NT`
-  vocabulary tiles of `W` columns; each tile's `(max, sum exp(x - max))` goes to memory (`[tokens, V / W]` pairs,
-  a `W`-th of the row's floats), with the row's selected logit.
+  vocabulary tiles of `W` columns, read as aligned 16-byte vectors wherever the row starts (`_chunk`); each
+  tile's `(max, sum exp(x - max))` goes to memory (`[tokens, V / W]` pairs, a `W`-th of the row's floats), with
+  the row's selected logit.
 - `_merge_kernel`, one program per block of rows: the tree of `canonical.merge_stats` over each row's tile
   statistics, in global tile order (with TP > 1 every rank's, gathered), padded with identity leaves to a power
-  of two, then the lse.
+  of two, then the lse (and the log-probs, from the selected logits).
 - `_advantages_kernel`, one program per group: `canonical.group_advantages`.
 - `_sequence_kernel`, one program per sequence: the token terms and their tree sums over `padded_seq_len`, the
   metrics' per-sequence parts, and a flag for any bad input value.
@@ -188,12 +189,82 @@ def _tile_sums(e, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SUM_PA
 
 
 @triton.jit
-def _tiles(row_ptr, start, V, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr,
+def _columns(y, R: tl.constexpr, VEC: tl.constexpr):
+    """The `VEC` (4 or 8) columns of `[R, VEC]`, `[R]` each, in order: register moves within a thread, since a
+    thread holds a loaded vector whole."""
+    if VEC == 8:
+        even, odd = tl.split(tl.reshape(y, (R, 2, 2, 2)))
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        c0, c4 = tl.split(e0)
+        c2, c6 = tl.split(e1)
+        c1, c5 = tl.split(o0)
+        c3, c7 = tl.split(o1)
+        return c0, c1, c2, c3, c4, c5, c6, c7
+    else:
+        even, odd = tl.split(tl.reshape(y, (R, 2, 2)))
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        return c0, c1, c2, c3
+
+
+@triton.jit
+def _at(a, b, k: tl.constexpr, VEC: tl.constexpr):
+    if k < VEC:
+        return a[k]
+    else:
+        return b[k - VEC]
+
+
+@triton.jit
+def _window(y, y2, S: tl.constexpr, R: tl.constexpr, VEC: tl.constexpr):
+    """`[R, VEC]`: each row's columns `S .. S + VEC - 1` of `y` followed by `y2` (the next vector)."""
+    a, b = _columns(y, R, VEC), _columns(y2, R, VEC)
+    if VEC == 8:
+        even = tl.join(tl.join(_at(a, b, S, VEC), _at(a, b, S + 4, VEC)),
+                       tl.join(_at(a, b, S + 2, VEC), _at(a, b, S + 6, VEC)))
+        odd = tl.join(tl.join(_at(a, b, S + 1, VEC), _at(a, b, S + 5, VEC)),
+                      tl.join(_at(a, b, S + 3, VEC), _at(a, b, S + 7, VEC)))
+    else:
+        even = tl.join(_at(a, b, S, VEC), _at(a, b, S + 2, VEC))
+        odd = tl.join(_at(a, b, S + 1, VEC), _at(a, b, S + 3, VEC))
+    return tl.reshape(tl.join(even, odd), (R, VEC))
+
+
+@triton.jit
+def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr,
+           MASK: tl.constexpr = True):
+    """The `[NT, W]` logits of the tiles from tile `start` of one row. S < 0: `ptr` is the row's start, the loads
+    masked (-inf past the row's end). S >= 0: `ptr` points S elements before the row's start, at a 16-byte boundary
+    (`VEC` elements), and every load is of whole aligned vectors, each vector of the chunk taken from two of them
+    (`_window`); without MASK the chunk and the vector after it lie inside the row. Rows at any offset (V = 50257)
+    then read as aligned ones do: with plain loads a thread held one element, the tiles' reductions crossed threads
+    at every level, and the kernel took 136 registers on the H200."""
+    if S < 0:
+        cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
+        return tl.load(ptr + cols, mask=cols < V, other=float("-inf"))
+    else:
+        R: tl.constexpr = NT * W // VEC
+        o = start * W + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        if MASK:
+            y = tl.load(ptr + o, mask=(o >= S) & (o - S < V), other=float("-inf"))
+        else:
+            y = tl.load(ptr + o)
+        if S > 0:
+            if MASK:
+                y2 = tl.load(ptr + o + VEC, mask=o + VEC - S < V, other=float("-inf"))
+            else:
+                y2 = tl.load(ptr + o + VEC)
+            y = _window(y, y2, S, R, VEC)
+        return tl.reshape(y, (NT, W))
+
+
+@triton.jit
+def _tiles(x, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr,
            SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
-    """`canonical.tile_stats` of the `NT` tiles from tile `start` of one row (its logits times `inv`, the inverse
+    """`canonical.tile_stats` of `NT` tiles `x` `[NT, W]` of one row (its logits times `inv`, the inverse
     temperature, with SCALE): `[NT]` maxima, sums and (ENTROPY, else 0) the entropy's sums."""
-    cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
-    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = x.to(tl.float32)
     if SCALE:
         x = x * inv
     m = tl.reduce(x, 1, _max)  # exact in any order; NaN if the tile holds one (then the row raises)
@@ -215,19 +286,44 @@ def _lse(m, s):
 
 
 @triton.jit
-def _row(row_ptr, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr,
-         NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
-    """One active row: its tiles' statistics to `m_ptr` (maxima), `m_ptr + s_offset` (sums) and (ENTROPY)
-    `m_ptr + 2 * s_offset` (the entropy's sums); returns the selected logit (column `a`, 0.0 when this shard does
-    not own it)."""
-    for c in range(0, tl.cdiv(tiles, NT)):
+def _chunks(ptr, lo, hi, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr,
+            LOG2W: tl.constexpr, NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr, S: tl.constexpr,
+            VEC: tl.constexpr, MASK: tl.constexpr = True):
+    """Chunks `lo .. hi - 1` of one row (`_chunk`): their tiles' statistics to `m_ptr` (maxima), `m_ptr + s_offset`
+    (sums) and (ENTROPY) `m_ptr + 2 * s_offset` (the entropy's sums)."""
+    for c in range(lo, hi):
         t = c * NT + tl.arange(0, NT)
-        m, s, u = _tiles(row_ptr, c * NT, V, inv, NT, W, LOG2W, SCALE, SUM_PAIRS, ENTROPY)
+        m, s, u = _tiles(_chunk(ptr, c * NT, V, NT, W, S, VEC, MASK), inv, NT, W, LOG2W, SCALE, SUM_PAIRS, ENTROPY)
         tl.store(m_ptr + t, m, mask=t < tiles)
         tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
         if ENTROPY:
             tl.store(m_ptr + 2 * s_offset + t, u, mask=t < tiles)
-    z = tl.load(row_ptr + a, mask=(a >= 0) & (a < V), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row(ptr, row, stride, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr,
+         LOG2W: tl.constexpr, NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr, VEC: tl.constexpr,
+         SHIFTS: tl.constexpr):
+    """One active row (`row` of the tensor at `ptr`): its tiles' statistics (`_chunks`); returns the selected logit
+    (column `a`, 0.0 when this shard does not own it). SHIFTS > 0: `ptr` is 16-byte aligned and every row starts
+    fewer than SHIFTS elements after a 16-byte boundary (`VEC` elements): a branch per offset (`_chunk`'s S), its
+    whole chunks unmasked, the last masked. SHIFTS = 0: plain loads."""
+    chunks = tl.cdiv(tiles, NT)
+    start = row * stride
+    if SHIFTS > 0:
+        shift = start % VEC
+        base = ptr + tl.multiple_of(start - shift, VEC)
+        full = tl.maximum(tl.minimum((V - VEC) // (NT * W), chunks), 0)  # chunks that, with a vector more, fit
+        for S in tl.static_range(SHIFTS):
+            if shift == S:
+                _chunks(base, 0, full, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY, S,
+                        VEC, False)
+                _chunks(base, full, chunks, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY,
+                        S, VEC, True)
+    else:
+        _chunks(ptr + start, 0, chunks, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY, -1,
+                VEC)
+    z = tl.load(ptr + start + a, mask=(a >= 0) & (a < V), other=0.0).to(tl.float32)
     if SCALE:
         z = z * inv
     return z
@@ -243,26 +339,40 @@ def _row_kernel(
     N, V, stride_x, stride_r, lo, tiles,
     plane,  # N * tiles, the statistics of one (tensor, max / sum) (an int64 argument from 2**31 on)
     inv,  # the inverse temperature, fp32 (SCALE)
+    period_x, period_r,  # rows `period` apart start at the same offset from a 16-byte boundary (`_period`)
     # Meta-parameters
     SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
     W: tl.constexpr, LOG2W: tl.constexpr,  # tile width (a power of two)
     NT: tl.constexpr,  # tiles per chunk
     SUM_PAIRS: tl.constexpr,  # `_tiles`; on the H200 faster for fp32 rows on 16-byte boundaries, slower otherwise
     ENTROPY: tl.constexpr,  # the policy rows' entropy sums too (P = 3 planes per tensor, else 2)
+    VEC_X: tl.constexpr, VEC_R: tl.constexpr,  # elements per 16 bytes of each tensor
+    SHIFTS_X: tl.constexpr, SHIFTS_R: tl.constexpr,  # `_row`'s SHIFTS of each tensor
 ):
-    row = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)  # 0: the policy row, 1: the reference row (a program each)
+    # The programs take the rows of one offset after another (rows k, k + period, ...), so that the programs that
+    # run together run one of `_row`'s branches: with all of them at once, the code (8 branches of 12 KB each for
+    # bf16) overflowed the instruction cache and V = 50257 took 2.8x the time of the same rows at aligned starts.
+    period = tl.where(which == 0, period_x, period_r).to(tl.int64)
+    per = tl.cdiv(N, period)
+    pid = tl.program_id(0).to(tl.int64)
+    row = (pid % per) * period + pid // per
+    inside = (row < N) & (pid < per * period)  # the grid's last few programs have no row
     inv = tl.cast(inv, tl.float32)
     z = 0.0
-    if tl.load(mask_ptr + row) != 0:
+    if tl.load(mask_ptr + row, mask=inside, other=0) != 0:
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
-        if which == 0:
-            z = _row(x_ptr + row * stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT,
-                     SUM_PAIRS, ENTROPY)
+        if not ENTROPY and VEC_X == VEC_R and SHIFTS_X == SHIFTS_R:  # one copy of the code for both tensors
+            z = _row(tl.where(which == 0, x_ptr, r_ptr), row, tl.where(which == 0, stride_x, stride_r), a,
+                     stats_ptr + which * 2 * plane + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS,
+                     False, VEC_X, SHIFTS_X)
+        elif which == 0:
+            z = _row(x_ptr, row, stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT,
+                     SUM_PAIRS, ENTROPY, VEC_X, SHIFTS_X)
         else:
-            z = _row(r_ptr + row * stride_r, a, stats_ptr + (2 + ENTROPY) * plane + row * tiles, plane, V, tiles, inv,
-                     SCALE, W, LOG2W, NT, SUM_PAIRS, False)
-    tl.store(sel_ptr + which * N + row, z)
+            z = _row(r_ptr, row, stride_r, a, stats_ptr + (2 + ENTROPY) * plane + row * tiles, plane, V, tiles, inv,
+                     SCALE, W, LOG2W, NT, SUM_PAIRS, False, VEC_R, SHIFTS_R)
+    tl.store(sel_ptr + which * N + row, z, mask=inside)
 
 
 @triton.jit
@@ -279,6 +389,7 @@ def _merge_kernel(
     mask_ptr,  # completion mask [N]
     lse_ptr,  # out: fp32 [K, N] (0.0 on masked rows)
     ent_ptr,  # out (ENTROPY): fp32 [N], the first tensor's entropies (0.0 on masked rows)
+    sel_ptr,  # in / out (LOGP): fp32 [K, N], the selected logits, replaced by the log-probs (0.0 on masked rows)
     N, tiles,
     plane,  # N * tiles
     # Meta-parameters
@@ -286,6 +397,7 @@ def _merge_kernel(
     BT: tl.constexpr, LOG2BT: tl.constexpr,  # tiles per loop iteration (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # loop iterations, padded to a power of two
     ENTROPY: tl.constexpr,  # P = 3 (the first tensor's third plane holds the entropy sums), else 2
+    LOGP: tl.constexpr,
 ):
     k = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -310,7 +422,11 @@ def _merge_kernel(
         if ENTROPY:
             us = tl.where(chunk == c, u[:, None], us)
     m, s, u = _merge(ms, ss, us, ROWS, CHUNKS, LOG2C, ENTROPY)
-    tl.store(lse_ptr + k.to(tl.int64) * N + rows, tl.where(active, _lse(m, s), 0.0), mask=rows < N)
+    lse = tl.where(active, _lse(m, s), 0.0)
+    tl.store(lse_ptr + k.to(tl.int64) * N + rows, lse, mask=rows < N)
+    if LOGP:
+        at = sel_ptr + k.to(tl.int64) * N + rows
+        tl.store(at, tl.where(active, tl.load(at, mask=rows < N, other=0.0) - lse, 0.0), mask=rows < N)
     if ENTROPY:
         if k == 0:
             tl.store(ent_ptr + rows, tl.where(active, _entropy(m, s, u), 0.0), mask=rows < N)
@@ -647,6 +763,26 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _vec(t: torch.Tensor) -> int:
+    return 16 // t.element_size()
+
+
+def _shifts(t: torch.Tensor, chunk: int) -> int:
+    """`_row`'s SHIFTS for the rows of `t` `[N, V]` read in chunks of `chunk` columns: 0 (plain loads) unless its
+    data is 16-byte aligned, a vector holds 4 or 8 elements and a row holds a whole chunk and a vector more (else
+    the branches would compile, 8 for bf16, for masked chunks only); then 1 where every row is aligned, else a
+    branch per offset."""
+    vec = _vec(t)
+    if t.data_ptr() % 16 or vec not in (4, 8) or chunk < vec or t.shape[1] - vec < chunk:
+        return 0
+    return 1 if t.stride(0) % vec == 0 or t.shape[0] <= 1 else vec
+
+
+def _period(t: torch.Tensor, shifts: int) -> int:
+    """How many rows of `t` apart two rows start at the same offset from a 16-byte boundary (1 without branches)."""
+    return 1 if shifts <= 1 else _vec(t) // math.gcd(t.stride(0) % _vec(t), _vec(t))
+
+
 def _fp(warps: int | None = None) -> dict:
     return dict(num_warps=warps or NUM_WARPS, enable_fp_fusion=False)
 
@@ -689,21 +825,24 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
     tiles = -(-V // width)
     sel = torch.empty(2, N, dtype=torch.float32, device=x.device)
     stats = torch.empty(2, 2 + entropy, N, tiles, dtype=torch.float32, device=x.device)
+    nt = max(1, min(CHUNK // width, triton.next_power_of_2(tiles)))
+    shifts = (_shifts(x, nt * width), _shifts(r, nt * width))
+    periods = [_period(t, n) for t, n in zip((x, r), shifts)]
     if N:
-        pick(_ROW, V, x.stride(0), r.stride(0))[(N, 1 + (ref is not None))](
+        pick(_ROW, V, x.stride(0), r.stride(0))[(max(p * -(-N // p) for p in periods), 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
-            r.stride(0), lo, tiles, N * tiles, inv, SCALE=inv != 1.0, W=width, LOG2W=_log2(width),
-            NT=max(1, min(CHUNK // width, triton.next_power_of_2(tiles))),
+            r.stride(0), lo, tiles, N * tiles, inv, *periods, SCALE=inv != 1.0, W=width, LOG2W=_log2(width), NT=nt,
             SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for t in (x, r)),
-            ENTROPY=entropy, **_fp(ROW_WARPS))
+            ENTROPY=entropy, VEC_X=_vec(x), VEC_R=_vec(r), SHIFTS_X=shifts[0], SHIFTS_R=shifts[1], **_fp(ROW_WARPS))
     return sel, stats
 
 
-def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False
+def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False, selected: torch.Tensor | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """lse `[K, N]` (0.0 on masked rows) from the per-tile statistics `[K, 2, N, tiles]` (global tile order) of K
     tensors' rows. `entropy` (`[K, 3, N, tiles]`): `(lse, the first tensor's entropies [N])`
-    (`canonical.entropy_of`)."""
+    (`canonical.entropy_of`). `selected` (contiguous fp32 `[K, N]`, the selected logits): replaced in place by the
+    log-probs `selected - lse` (0.0 on masked rows)."""
     K, _, N, tiles = stats.shape
     lse = torch.empty(K, N, dtype=torch.float32, device=stats.device)
     ent = torch.empty(N, dtype=torch.float32, device=stats.device) if entropy else lse  # (lse: not written)
@@ -711,9 +850,10 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False
     rows = min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1)))
     chunks = triton.next_power_of_2(-(-tiles // bt))
     if N and K:
-        _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, ent, N,
-                                                 tiles, N * tiles, ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks,
-                                                 LOG2C=_log2(chunks), ENTROPY=entropy, **_fp())
+        _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, ent,
+                                                 lse if selected is None else selected, N, tiles, N * tiles,
+                                                 ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks, LOG2C=_log2(chunks),
+                                                 ENTROPY=entropy, LOGP=selected is not None, **_fp())
     return (lse, ent) if entropy else lse
 
 
