@@ -1,0 +1,84 @@
+"""Instructions per element of the deterministic row kernel's loops, compiled for sm_90 without a GPU.
+
+    python benchmarks/sass_row_kernel.py --dtype bf16 --rows shifted
+
+Compiles `triton/canonical.py`'s `_row_kernel` as `row_stats` launches it for rows of a whole chunk or more (tiles of
+128, chunks of 4096 columns, 4 warps) with `triton.compile` for an sm_90 target, disassembles it with the `cuobjdump`
+that Triton ships, and prints each loop's instructions, per element (a thread's share of a chunk) and by opcode,
+with the registers. `--rows`: `aligned` (every row starts on a 16-byte boundary: V = 131072), `shifted` (rows at
+every offset: V = 50257, a branch per offset), `plain` (the data itself off a boundary: plain loads). The loop
+counts are static: the bound an instruction-issue-limited kernel runs at, about 16 instructions per element for bf16
+rows at the H200's bandwidth (8 elements per SM and cycle at 1.98 GHz, 4 warp instructions per SM and cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from grpo_core.triton import canonical as K  # noqa: E402
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
+
+
+def compile_row_kernel(dtype: str, rows: str, entropy: bool):
+    vec = 16 // (2 if dtype in ("bf16", "fp16") else 4)
+    shifts = {"aligned": 1, "shifted": vec, "plain": 0}[rows]
+    signature = dict(x_ptr=f"*{dtype}", r_ptr=f"*{dtype}", ids_ptr="*i64", mask_ptr="*i1", sel_ptr="*fp32",
+                     stats_ptr="*fp32", N="i32", V="i32", stride_x="i32", stride_r="i32", lo="i32", tiles="i32",
+                     plane="i32", inv="fp32", period_x="i32", period_r="i32")
+    constexprs = dict(SCALE=False, W=128, LOG2W=7, NT=K.CHUNK // 128, SUM_PAIRS=False, ENTROPY=entropy, VEC_X=vec,
+                      VEC_R=vec, SHIFTS_X=shifts, SHIFTS_R=shifts)
+    divisible = ["ids_ptr", "mask_ptr", "sel_ptr", "stats_ptr"] + (["x_ptr", "r_ptr"] if rows != "plain" else [])
+    divisible += ["V", "stride_x", "stride_r"] if rows == "aligned" else []
+    fn = K._ROW[0]
+    names = list(fn.arg_names)
+    src = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=K.ROW_WARPS, enable_fp_fusion=False))
+
+
+def cuobjdump(kernel, flag: str) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--rows", choices=("aligned", "shifted", "plain"), default="shifted")
+    p.add_argument("--entropy", action="store_true")
+    args = p.parse_args()
+    kernel = compile_row_kernel(args.dtype, args.rows, args.entropy)
+    instrs = [(int(a, 16), op.split(".")[0], rest) for a, op, rest in _INSTR.findall(cuobjdump(kernel, "-sass"))]
+    per_thread = K.CHUNK // (32 * K.ROW_WARPS)  # elements a thread holds of a chunk
+    print(f"{args.dtype} {args.rows} rows, triton {triton.__version__}: {len(instrs)} instructions; "
+          + " ".join(line.strip() for line in cuobjdump(kernel, "-res-usage").splitlines() if "REG" in line))
+    for addr, op, rest in instrs:  # a backward branch closes a loop
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            loop = [o for a, o, _ in instrs if int(target.group(1), 16) <= a <= addr]
+            if len(loop) > 100:
+                top = ", ".join(f"{o} {n}" for o, n in collections.Counter(loop).most_common(8))
+                print(f"  loop {int(target.group(1), 16):#07x}: {len(loop)} instructions, "
+                      f"{len(loop) / per_thread:.1f} per element ({top})")
+
+
+if __name__ == "__main__":
+    main()
