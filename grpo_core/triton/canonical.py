@@ -56,6 +56,7 @@ MAX_TILE = CHUNK  # the row kernels hold one tile per chunk at least
 
 _LOG2E, _ROUND = tl.constexpr(C.LOG2E), tl.constexpr(C.ROUND)
 _LN2_HI, _LN2_LO = tl.constexpr(C.LN2_HI), tl.constexpr(C.LN2_LO)
+_NEG_LN2_HI, _NEG_LN2_LO = tl.constexpr(-C.LN2_HI), tl.constexpr(-C.LN2_LO)
 _Q0, _Q1, _Q2 = tl.constexpr(C.EXP_Q[0]), tl.constexpr(C.EXP_Q[1]), tl.constexpr(C.EXP_Q[2])
 _Q3, _Q4 = tl.constexpr(C.EXP_Q[3]), tl.constexpr(C.EXP_Q[4])
 _L0, _L1, _L2 = tl.constexpr(C.LOG_Q[0]), tl.constexpr(C.LOG_Q[1]), tl.constexpr(C.LOG_Q[2])
@@ -99,7 +100,7 @@ def _fma(a, b, c):
 def _poly(xc):
     """`p = exp(r)` of the reduced argument and `n`, as in `canonical.exp`."""
     n = _fma(xc, _LOG2E, _ROUND) - _ROUND
-    r = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, xc))
+    r = _fma(n, _NEG_LN2_LO, _fma(n, _NEG_LN2_HI, xc))  # -n * c == n * -c exactly: no negation to issue
     q = _fma(_fma(_fma(_fma(r, _Q4, _Q3), r, _Q2), r, _Q1), r, _Q0)
     return _fma(_fma(q, r, 1.0), r, 1.0), n.to(tl.int32)
 
