@@ -140,26 +140,29 @@ def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, merge
                 run(DistributedGRPOLossOp(kernels="torch"), inp, c), c, f"W={width} chunk={chunk} V={V}")
 
 
-@pytest.mark.parametrize("dtype, ref_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
-                                              (torch.float32, torch.float32)])
+@pytest.mark.parametrize("dtype, ref_dtype, entropy", [(torch.bfloat16, torch.bfloat16, False),
+                                                       (torch.bfloat16, torch.bfloat16, True),
+                                                       (torch.bfloat16, torch.float16, False),
+                                                       (torch.float16, torch.float32, True),
+                                                       (torch.float32, torch.float32, False)])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, ref_dtype, offset):
+def test_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, ref_dtype, entropy, offset):
     """The row kernel's aligned loads (`_row`'s branch per offset, `_window`): rows of an odd width start at every
-    offset from a 16-byte boundary; several whole chunks each, then a masked tail; the policy's entropy sums and a
-    temperature; the reference of another dtype (its own code path); `offset` 1: the data itself off a 16-byte
-    boundary (plain loads)."""
+    offset from a 16-byte boundary; two whole chunks each, then a masked one; one copy of the code for both tensors
+    (same dtype, no entropy) or one each (another dtype, the policy's entropy sums); a temperature; `offset` 1: the
+    policy's data itself off a 16-byte boundary (plain loads)."""
     monkeypatch.setattr(kernels, "CHUNK", 64)
-    N, V, W, inv = 17, 16 * 9 + 5, 16, 1 / 0.7  # V: 4 chunks of 4 tiles (2 whole), rows 149 elements apart
+    N, V, W, inv = 17, 16 * 9 + 5, 16, 1 / 0.7  # V: 10 tiles, chunks of 4 tiles (2 whole), rows 149 elements apart
     g = torch.Generator().manual_seed(1)
     flat = (torch.randn(N * V + offset, generator=g) * 3).to(dtype).to(DEV)
     flat[offset + 5 * V + 17] = float("-inf")
     x, r = flat[offset:].view(N, V), (torch.randn(N, V, generator=g) * 3).to(ref_dtype).to(DEV)
-    assert (x.data_ptr() % 16 != 0) == bool(offset)
+    assert kernels._shifts(x, 64) == (0 if offset else kernels._vec(x)) and kernels._shifts(r, 64) == kernels._vec(r)
     ids = torch.randint(0, V, (N,), generator=g).to(DEV)
     mask = torch.ones(N, dtype=torch.bool, device=DEV)
     inv = float(torch.tensor(inv, dtype=torch.float32))
-    sel, stats = kernels.row_stats(x, r, ids, mask, 0, W, inv, entropy=True)
-    for k, (t, ent) in enumerate(((x, True), (r, False))):
+    sel, stats = kernels.row_stats(x, r, ids, mask, 0, W, inv, entropy=entropy)
+    for k, (t, ent) in enumerate(((x, entropy), (r, False))):
         z = t.cpu().float() * canonical.fp32(inv, t.cpu().float())
         want = canonical.tile_stats(z, W, entropy=ent)
         for j, w in enumerate(want):

@@ -314,9 +314,10 @@ def _row(ptr, row, stride, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexp
     if SHIFTS > 0:
         shift = start % VEC
         base = ptr + tl.multiple_of(start - shift, VEC)
-        full = tl.maximum(tl.minimum((V - VEC) // (NT * W), chunks), 0)  # chunks that, with a vector more, fit
         for S in tl.static_range(SHIFTS):
             if shift == S:
+                # the whole chunks that lie in the row with the vector after them (read, not used, at S > 0)
+                full = tl.maximum(tl.minimum((V - (VEC if S > 0 else 0)) // (NT * W), chunks), 0)
                 _chunks(base, 0, full, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY, S,
                         VEC, False)
                 _chunks(base, full, chunks, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY,
@@ -349,6 +350,7 @@ def _row_kernel(
     ENTROPY: tl.constexpr,  # the policy rows' entropy sums too (P = 3 planes per tensor, else 2)
     VEC_X: tl.constexpr, VEC_R: tl.constexpr,  # elements per 16 bytes of each tensor
     SHIFTS_X: tl.constexpr, SHIFTS_R: tl.constexpr,  # `_row`'s SHIFTS of each tensor
+    SHARED: tl.constexpr,  # one copy of `_row` for both tensors: one dtype, the same SHIFTS, no entropy
 ):
     which = tl.program_id(1)  # 0: the policy row, 1: the reference row (a program each)
     # The programs take the rows of one offset after another (rows k, k + period, ...), so that the programs that
@@ -363,16 +365,16 @@ def _row_kernel(
     z = 0.0
     if tl.load(mask_ptr + row, mask=inside, other=0) != 0:
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
-        if not ENTROPY and VEC_X == VEC_R and SHIFTS_X == SHIFTS_R:  # one copy of the code for both tensors
+        if SHARED:
             z = _row(tl.where(which == 0, x_ptr, r_ptr), row, tl.where(which == 0, stride_x, stride_r), a,
-                     stats_ptr + which * 2 * plane + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS,
-                     False, VEC_X, SHIFTS_X)
+                     stats_ptr + which.to(tl.int64) * 2 * plane + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W,
+                     NT, SUM_PAIRS, False, VEC_X, SHIFTS_X)
         elif which == 0:
             z = _row(x_ptr, row, stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT,
                      SUM_PAIRS, ENTROPY, VEC_X, SHIFTS_X)
         else:
-            z = _row(r_ptr, row, stride_r, a, stats_ptr + (2 + ENTROPY) * plane + row * tiles, plane, V, tiles, inv,
-                     SCALE, W, LOG2W, NT, SUM_PAIRS, False, VEC_R, SHIFTS_R)
+            z = _row(r_ptr, row, stride_r, a, stats_ptr + (2 + ENTROPY) * plane.to(tl.int64) + row * tiles, plane, V,
+                     tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, False, VEC_R, SHIFTS_R)
     tl.store(sel_ptr + which * N + row, z, mask=inside)
 
 
@@ -398,7 +400,7 @@ def _merge_kernel(
     BT: tl.constexpr, LOG2BT: tl.constexpr,  # tiles per loop iteration (a power of two)
     CHUNKS: tl.constexpr, LOG2C: tl.constexpr,  # loop iterations, padded to a power of two
     ENTROPY: tl.constexpr,  # P = 3 (the first tensor's third plane holds the entropy sums), else 2
-    LOGP: tl.constexpr,
+    LOGP: tl.constexpr,  # sel_ptr's selected logits become the log-probs
 ):
     k = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -834,7 +836,8 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, *periods, SCALE=inv != 1.0, W=width, LOG2W=_log2(width), NT=nt,
             SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for t in (x, r)),
-            ENTROPY=entropy, VEC_X=_vec(x), VEC_R=_vec(r), SHIFTS_X=shifts[0], SHIFTS_R=shifts[1], **_fp(ROW_WARPS))
+            ENTROPY=entropy, VEC_X=_vec(x), VEC_R=_vec(r), SHIFTS_X=shifts[0], SHIFTS_R=shifts[1],
+            SHARED=not entropy and x.dtype == r.dtype and shifts[0] == shifts[1], **_fp(ROW_WARPS))
     return sel, stats
 
 
@@ -845,6 +848,10 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False, se
     (`canonical.entropy_of`). `selected` (contiguous fp32 `[K, N]`, the selected logits): replaced in place by the
     log-probs `selected - lse` (0.0 on masked rows)."""
     K, _, N, tiles = stats.shape
+    if selected is not None and (selected.shape != (K, N) or selected.dtype != torch.float32
+                                 or not selected.is_contiguous()):
+        raise ValueError(f"selected: expected contiguous fp32 [{K}, {N}], got {selected.dtype} "
+                         f"{list(selected.shape)} (contiguous: {selected.is_contiguous()})")
     lse = torch.empty(K, N, dtype=torch.float32, device=stats.device)
     ent = torch.empty(N, dtype=torch.float32, device=stats.device) if entropy else lse  # (lse: not written)
     bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)))
