@@ -238,9 +238,9 @@ def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VE
     """The `[NT, W]` logits of the tiles from tile `start` of one row. S < 0: `ptr` is the row's start, the loads
     masked (-inf past the row's end). S >= 0: `ptr` points S elements before the row's start, at a 16-byte boundary
     (`VEC` elements), and every load is of whole aligned vectors, each vector of the chunk taken from two of them
-    (`_window`); without MASK the chunk and the vector after it lie inside the row. Rows at any offset (V = 50257)
-    then read as aligned ones do: with plain loads a thread held one element, the tiles' reductions crossed threads
-    at every level, and the kernel took 136 registers on the H200."""
+    (`_window`); without MASK the chunk (and at S > 0 the vector after it) lies inside the row. Rows at any offset
+    (V = 50257) then read as aligned ones do: with plain loads a thread held one element, the tiles' reductions
+    crossed threads at every level, and the kernel took 128-136 registers on the H200."""
     if S < 0:
         cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
         return tl.load(ptr + cols, mask=cols < V, other=float("-inf"))
