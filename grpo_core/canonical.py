@@ -44,6 +44,7 @@ LN2_LO = float.fromhex("0x1.7f7d1cp-20")  # ln 2 - LN2_HI, rounded
 EXP_Q = (float.fromhex("0x1.fffff8p-2"), float.fromhex("0x1.55548ep-3"), float.fromhex("0x1.555b54p-5"),
          float.fromhex("0x1.123b92p-7"), float.fromhex("0x1.687ef6p-10"))  # minimax, |rel. error| < 2**-28
 EXP_MIN, EXP_MAX = -104.0, 89.0  # beyond these exp is 0 (after the flush) or inf whatever the polynomial says
+EXP_NONZERO = float.fromhex("-0x1.5d589ep+6")  # exp(x) > 0 exactly for x >= this (-87.3365...), 0.0 below
 EXP_CHUNK = 1 << 18  # elements per step of `exp` on large inputs
 # log: x = 2**k m with m in [sqrt(1/2), sqrt(2)), log(m) = 2 atanh(s), s = (m - 1) / (m + 1), in fdlibm's form
 SQRT_HALF_BITS = 0x3F3504F3

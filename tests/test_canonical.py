@@ -37,6 +37,16 @@ def ulp_error(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return (got.double() - exact).abs() / torch.ldexp(torch.ones_like(exact), e - 24)
 
 
+def test_exp_is_nonzero_exactly_from_exp_nonzero():
+    """`exp(x) > 0` exactly for `x >= EXP_NONZERO`, over every fp32 in [-104, -80] (the kernels' loops flush by
+    comparing `x` with it instead of the result's exponent; above -80 exp is far from the flush)."""
+    bits = torch.arange(torch.tensor(-80.0).view(torch.int32).item(), torch.tensor(-104.0).view(torch.int32).item() + 1,
+                        dtype=torch.int32)
+    x = bits.view(torch.float32)
+    assert torch.equal(canonical.exp(x) > 0, x >= canonical.EXP_NONZERO)
+
+
+
 @pytest.mark.parametrize("name, lo, hi, seed", [("exp", -87.33654, 88.72283, 1), ("log", canonical.TINY, FLT_MAX, 2)])
 def test_exp_and_log_within_one_ulp_on_ten_million_inputs(name, lo, hi, seed):
     fn, ref = getattr(canonical, name), getattr(torch, name)

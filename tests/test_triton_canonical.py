@@ -32,6 +32,7 @@ def _primitives(X, OUT, n, BLOCK: tl.constexpr):
     tl.store(OUT + n + i, kernels.exp_nonpos(-tl.abs(x)), mask=i < n)
     tl.store(OUT + 2 * n + i, kernels.log(tl.abs(x)), mask=i < n)
     tl.store(OUT + 3 * n + i, kernels.sigmoid(x), mask=i < n)
+    tl.store(OUT + 4 * n + i, kernels.exp_nonpos_loop(-tl.abs(x)), mask=i < n)
 
 
 def test_primitives_give_the_torch_bits():
@@ -41,13 +42,19 @@ def test_primitives_give_the_torch_bits():
                    torch.randn(1 << 16, generator=g) * 30, torch.tensor([0.0, -0.0, float("-inf"), float("inf"),
                                                                        -87.33655, -104.5, 88.72, 1.0])])
     x = x.to(DEV)
-    x = torch.cat([x, torch.tensor([-17.0, 17.5, 1e-30], device=DEV)])
-    out = torch.empty(4 * x.numel(), device=DEV)
+    nonzero = torch.tensor(canonical.EXP_NONZERO)  # and the floats around the flush's threshold
+    x = torch.cat([x, torch.tensor([-17.0, 17.5, 1e-30, float("nan"), -3e38], device=DEV),
+                   (nonzero.view(torch.int32) + torch.arange(-4, 5, dtype=torch.int32)).view(torch.float32).to(DEV)])
+    out = torch.empty(5 * x.numel(), device=DEV)
     _primitives[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024, enable_fp_fusion=False)
-    out = out.view(4, -1).cpu()
+    out = out.view(5, -1).cpu()
     xc = x.cpu()
+    num = ~xc.isnan()  # at NaN: NaN (its sign and payload not specified), exp_nonpos_loop 0.0
+    assert out[[0, 1, 3]][:, ~num].isnan().all() and (out[4][~num] == 0.0).all()
+    out, xc = out[:, num], xc[num]
     assert_bitwise_equal(out[0], canonical.exp(xc), "exp")
     assert_bitwise_equal(out[1], canonical.exp(-xc.abs()), "exp_nonpos == exp on x <= 0")
+    assert_bitwise_equal(out[4], canonical.exp(-xc.abs()), "exp_nonpos_loop == exp on x <= 0")
     assert_bitwise_equal(out[3], canonical.sigmoid(xc), "sigmoid")
     normal = xc.abs() >= canonical.TINY
     assert_bitwise_equal(out[2][normal & torch.isfinite(xc)], canonical.log(xc.abs()[normal & torch.isfinite(xc)]),

@@ -54,13 +54,14 @@ BLOCK_S = 1024  # sequences per loop iteration of the finish kernel
 NUM_WARPS = 4  # the other kernels
 MAX_TILE = CHUNK  # the row kernels hold one tile per chunk at least
 
-_LOG2E, _ROUND = tl.constexpr(C.LOG2E), tl.constexpr(C.ROUND)
+_LOG2E, _ROUND, _ROUND_BITS = tl.constexpr(C.LOG2E), tl.constexpr(C.ROUND), tl.constexpr(0x4B400000)
 _LN2_HI, _LN2_LO = tl.constexpr(C.LN2_HI), tl.constexpr(C.LN2_LO)
 _NEG_LN2_HI, _NEG_LN2_LO = tl.constexpr(-C.LN2_HI), tl.constexpr(-C.LN2_LO)
 _Q0, _Q1, _Q2 = tl.constexpr(C.EXP_Q[0]), tl.constexpr(C.EXP_Q[1]), tl.constexpr(C.EXP_Q[2])
 _Q3, _Q4 = tl.constexpr(C.EXP_Q[3]), tl.constexpr(C.EXP_Q[4])
 _L0, _L1, _L2 = tl.constexpr(C.LOG_Q[0]), tl.constexpr(C.LOG_Q[1]), tl.constexpr(C.LOG_Q[2])
 _EXP_MIN, _EXP_MAX, _TINY = tl.constexpr(C.EXP_MIN), tl.constexpr(C.EXP_MAX), tl.constexpr(C.TINY)
+_EXP_NONZERO = tl.constexpr(C.EXP_NONZERO)
 _SQRT_HALF_BITS, _FP32_MAX = tl.constexpr(C.SQRT_HALF_BITS), tl.constexpr(C.FP32_MAX)
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # The interpreter truncates fp32 -> bf16 (the GPU and torch round to nearest even): round with integer ops there.
@@ -98,11 +99,13 @@ def _fma(a, b, c):
 
 @triton.jit
 def _poly(xc):
-    """`p = exp(r)` of the reduced argument and `n`, as in `canonical.exp`."""
-    n = _fma(xc, _LOG2E, _ROUND) - _ROUND
+    """`p = exp(r)` of the reduced argument, as in `canonical.exp`, and `n` as the bits of `t = ROUND + n` (its
+    integer part: `n = t_bits - ROUND_BITS`, `n << 23 == t_bits << 23` since ROUND_BITS << 23 wraps to 0)."""
+    t = _fma(xc, _LOG2E, _ROUND)
+    n = t - _ROUND
     r = _fma(n, _NEG_LN2_LO, _fma(n, _NEG_LN2_HI, xc))  # -n * c == n * -c exactly: no negation to issue
     q = _fma(_fma(_fma(_fma(r, _Q4, _Q3), r, _Q2), r, _Q1), r, _Q0)
-    return _fma(_fma(q, r, 1.0), r, 1.0), n.to(tl.int32)
+    return _fma(_fma(q, r, 1.0), r, 1.0), t.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -113,7 +116,8 @@ def _pow2(k):
 @triton.jit
 def exp(x):
     """`canonical.exp`."""
-    p, k = _poly(_min(_max(x, _EXP_MIN), _EXP_MAX))
+    p, t = _poly(_min(_max(x, _EXP_MIN), _EXP_MAX))
+    k = t - _ROUND_BITS
     half = ((k + 256) >> 1) - 128
     p = (p * _pow2(half)) * _pow2(k - half)
     return tl.where(p < _TINY, 0.0, p)
@@ -123,9 +127,20 @@ def exp(x):
 def exp_nonpos(x):
     """`canonical.exp` for `x <= 0` (or NaN), the same bits with an integer add: `p * 2**k` is exact while it is
     normal, and where its exponent field would drop to 0 or below both give 0 after the flush."""
-    p, k = _poly(_max(x, _EXP_MIN))
-    bits = p.to(tl.int32, bitcast=True) + (k << 23)
+    p, t = _poly(_max(x, _EXP_MIN))
+    bits = p.to(tl.int32, bitcast=True) + tl.where(x == x, t << 23, 0)  # a NaN stays NaN (not FP32_MAX)
     return tl.where(bits < 0x800000, 0.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def exp_nonpos_loop(x):
+    """`exp_nonpos` for the row and gradient kernels' loops, the same bits except that a NaN gives 0.0 (the callers
+    restore the NaN per tile or row): no clamp, the flush decided by `x` against `canonical.EXP_NONZERO` (where
+    `exp` stops being 0, checked over every fp32 from -104), two instructions fewer per element."""
+    if _EMULATE_FMA:
+        x = _max(x, _EXP_MIN)  # the interpreter's float64 `_fma` would warn on inf - inf; the result is not taken
+    p, t = _poly(x)
+    return tl.where(x >= _EXP_NONZERO, (p.to(tl.int32, bitcast=True) + (t << 23)).to(tl.float32, bitcast=True), 0.0)
 
 
 @triton.jit
@@ -271,7 +286,7 @@ def _tiles(x, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE
     m = tl.reduce(x, 1, _max)  # exact in any order; NaN if the tile holds one (then the row raises)
     m = tl.where(m == 0.0, 0.0, m)
     d = x - tl.where(m == float("-inf"), 0.0, m)[:, None]
-    e = exp_nonpos(d)
+    e = exp_nonpos_loop(d)  # 0.0 where `exp_nonpos` gives NaN: in the tiles whose maximum is NaN or +inf
     u = tl.zeros((NT,), tl.float32)
     if ENTROPY:
         u = e * d
@@ -729,6 +744,7 @@ def _grad_kernel(
                 ch = ch * inv
             h = tl.load(ent_ptr + row)
         lse = tl.load(lse_ptr + row)
+        coef = tl.where(lse == lse, coef, float("nan"))  # `exp_nonpos_loop` gives 0.0 where `exp_nonpos` gives NaN
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         x_row = x_ptr + row * stride_x
         for start in range(0, V, BLOCK):
@@ -738,7 +754,7 @@ def _grad_kernel(
                 x = x * inv
             onehot = tl.where(c == a, 1.0, 0.0)
             lp = x - lse
-            p = exp_nonpos(lp)
+            p = exp_nonpos_loop(lp)
             grad = coef * (onehot - p)
             if ENTROPY:
                 grad = grad + ch * tl.where(p > 0.0, p * (lp + h), 0.0)
