@@ -279,7 +279,9 @@ def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VE
 def _tiles(x, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr,
            SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
     """`canonical.tile_stats` of `NT` tiles `x` `[NT, W]` of one row (its logits times `inv`, the inverse
-    temperature, with SCALE): `[NT]` maxima, sums and (ENTROPY, else 0) the entropy's sums."""
+    temperature, with SCALE): `[NT]` maxima, sums and (ENTROPY, else 0) the entropy's sums. A tile whose maximum is
+    NaN or +inf has a sum other than the reference's NaN (`exp_nonpos_loop`); nothing reads it: the row's lse and
+    entropy are NaN by the maximum alone (`_lse`, `_entropy`)."""
     x = x.to(tl.float32)
     if SCALE:
         x = x * inv
