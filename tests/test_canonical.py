@@ -46,7 +46,6 @@ def test_exp_is_nonzero_exactly_from_exp_nonzero():
     assert torch.equal(canonical.exp(x) > 0, x >= canonical.EXP_NONZERO)
 
 
-
 @pytest.mark.parametrize("name, lo, hi, seed", [("exp", -87.33654, 88.72283, 1), ("log", canonical.TINY, FLT_MAX, 2)])
 def test_exp_and_log_within_one_ulp_on_ten_million_inputs(name, lo, hi, seed):
     fn, ref = getattr(canonical, name), getattr(torch, name)

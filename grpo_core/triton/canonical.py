@@ -134,8 +134,8 @@ def exp_nonpos(x):
 
 @triton.jit
 def exp_nonpos_loop(x):
-    """`exp_nonpos` for the row and gradient kernels' loops, the same bits except that a NaN gives 0.0 (the callers
-    restore the NaN per tile or row): no clamp, the flush decided by `x` against `canonical.EXP_NONZERO` (where
+    """`exp_nonpos` for the row and gradient kernels' loops, the same bits except that a NaN gives 0.0 (the gradient
+    kernel restores it per row; the row kernel's tiles need none, `_tiles`): no clamp, the flush decided by `x` against `canonical.EXP_NONZERO` (where
     `exp` stops being 0, checked over every fp32 from -104), two instructions fewer per element."""
     if _EMULATE_FMA:
         x = _max(x, _EXP_MIN)  # the interpreter's float64 `_fma` would warn on inf - inf; the result is not taken
