@@ -147,15 +147,24 @@ def _restore_hint(folder: Path) -> str:
     return f"git checkout -- {folder}" if inside else f"copy it again from where it came: {folder} is not under git"
 
 
-def _run_dir(args, golden_dir: Path) -> Path:
-    """The run's folder: `--out` (refused when it holds a run, or lies in the golden set), or a new runs/<timestamp>."""
-    if args.out is None:
-        stamp = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir, n = stamp, 1
-        while run_dir.exists():  # two runs in one second
+def _claim(stamp: Path) -> Path:
+    """Creates the folder `stamp`, or `stamp-2`, `stamp-3`, ... when it exists: runs started in the same second, in
+    this process or beside it, each get their own (the check and the creation are one step)."""
+    run_dir, n = stamp, 1
+    while True:
+        try:
+            run_dir.mkdir(parents=True)
+            return run_dir
+        except FileExistsError:
             n += 1
             run_dir = stamp.with_name(f"{stamp.name}-{n}")
-        return run_dir
+
+
+def _run_dir(args, golden_dir: Path) -> Path:
+    """The run's folder: `--out` (refused when it holds a run, or lies in the golden set), or runs/<timestamp> (its
+    start; `_claim`ed when the run is written)."""
+    if args.out is None:
+        return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.out)
     held = [n for n in ("run.parquet", "summary.md", "summary.csv") if (run_dir / n).exists()]
     if run_dir.exists() and not run_dir.is_dir() or held:
@@ -203,6 +212,8 @@ def cmd_run(args) -> int:
     out = _record(args, names, lays, world)
     if out is None:  # a torchrun rank other than 0
         return 0
+    if args.out is None:
+        run_dir = _claim(run_dir)
     meta = {"provenance": out["provenance"], "guards": out["guards"], "layouts": lays,
             "platform": platform_name(args.device), "plant_drift": args.plant_drift}
     write_table(out["rows"], run_dir / "run.parquet", meta)

@@ -385,6 +385,16 @@ def test_a_damaged_golden_set_in_the_checkout_is_restored_from_git():
     assert _restore_hint(GOLDEN) == f"git checkout -- {GOLDEN}"
 
 
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    """The default run folder is claimed when the run is written, with a suffix when another run (here, or beside
+    this one) took its name: three gates run at once on a GPU machine had written one folder."""
+    from harness.__main__ import _claim
+    stamp = tmp_path / "runs" / "20261202-051541"
+    got = [_claim(stamp) for _ in range(3)]
+    assert [p.name for p in got] == ["20261202-051541", "20261202-051541-2", "20261202-051541-3"]
+    assert all(p.is_dir() for p in got)
+
+
 def test_a_row_missing_from_the_golden_is_reported_as_missing(tmp_path):
     gold = _copy_golden(tmp_path)
     _edit_file(gold, F, lambda d: d[~_row(d, "per_sequence_kl", 3)])
