@@ -3,7 +3,7 @@
     python benchmarks/sass_row_kernel.py --dtype bf16 --rows shifted
 
 Compiles `triton/canonical.py`'s `_row_kernel` as `row_stats` launches it for rows of a whole chunk or more (tiles of
-128, chunks of 4096 columns, 4 warps) with `triton.compile` for an sm_90 target, disassembles it with the `cuobjdump`
+128, chunks of 4096 columns, 4 warps; SUM_PAIRS off, which `row_stats` turns on for aligned fp32 rows) with `triton.compile` for an sm_90 target, disassembles it with the `cuobjdump`
 that Triton ships, and prints each loop's instructions, per element (a thread's share of a chunk) and by opcode,
 with the registers. `--rows`: `aligned` (every row starts on a 16-byte boundary: V = 131072), `shifted` (rows at
 every offset: V = 50257, a branch per offset), `plain` (the data itself off a boundary: plain loads). The loop

@@ -150,10 +150,11 @@ def _restore_hint(folder: Path) -> str:
 def _claim(stamp: Path) -> Path:
     """Creates the folder `stamp`, or `stamp-2`, `stamp-3`, ... when it exists: runs started in the same second, in
     this process or beside it, each get their own (the check and the creation are one step)."""
+    stamp.parent.mkdir(parents=True, exist_ok=True)  # a parent that is not a folder raises here, once
     run_dir, n = stamp, 1
     while True:
         try:
-            run_dir.mkdir(parents=True)
+            run_dir.mkdir()
             return run_dir
         except FileExistsError:
             n += 1

@@ -393,6 +393,9 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
     got = [_claim(stamp) for _ in range(3)]
     assert [p.name for p in got] == ["20261202-051541", "20261202-051541-2", "20261202-051541-3"]
     assert all(p.is_dir() for p in got)
+    (tmp_path / "link").symlink_to(tmp_path / "missing")  # a parent that cannot be a folder raises, once (it had
+    with pytest.raises(FileExistsError):                  # been taken for a taken name, suffix after suffix)
+        _claim(tmp_path / "link" / "20261202-051541")
 
 
 def test_a_row_missing_from_the_golden_is_reported_as_missing(tmp_path):

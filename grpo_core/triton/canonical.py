@@ -8,7 +8,8 @@ max / min like torch, and build every sum as the same tree of adjacent pairs (`t
 dimension of two, or `tl.sum` over it: one add, the only possible order).
 
 - `_row_kernel`, one program per token row and tensor (policy, reference): the row streams in chunks of `NT`
-  vocabulary tiles of `W` columns, read as aligned 16-byte vectors wherever the row starts (`_chunk`); each
+  vocabulary tiles of `W` columns, read as aligned 16-byte vectors wherever the row starts when the data is 16-byte
+  aligned and a row holds a chunk and a vector (`_shifts`; else plain loads, `_chunk`); each
   tile's `(max, sum exp(x - max))` goes to memory (`[tokens, V / W]` pairs, a `W`-th of the row's floats), with
   the row's selected logit.
 - `_merge_kernel`, one program per block of rows: the tree of `canonical.merge_stats` over each row's tile
@@ -136,7 +137,8 @@ def exp_nonpos(x):
 def exp_nonpos_loop(x):
     """`exp_nonpos` for the row and gradient kernels' loops, the same bits except that a NaN gives 0.0 (the gradient
     kernel restores it per row; the row kernel's tiles need none, `_tiles`): no clamp, the flush decided by `x` against `canonical.EXP_NONZERO` (where
-    `exp` stops being 0, checked over every fp32 from -104), two instructions fewer per element."""
+    `exp` stops being 0: `canonical.exp`'s threshold, checked over every fp32 in [-104, -80]), two instructions fewer
+    per element."""
     if _EMULATE_FMA:
         x = _max(x, _EXP_MIN)  # the interpreter's float64 `_fma` would warn on inf - inf; the result is not taken
     p, t = _poly(x)
@@ -253,7 +255,9 @@ def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VE
     """The `[NT, W]` logits of the tiles from tile `start` of one row. S < 0: `ptr` is the row's start, the loads
     masked (-inf past the row's end). S >= 0: `ptr` points S elements before the row's start, at a 16-byte boundary
     (`VEC` elements), and every load is of whole aligned vectors, each vector of the chunk taken from two of them
-    (`_window`); without MASK the chunk (and at S > 0 the vector after it) lies inside the row. Rows at any offset
+    (`_window`); without MASK the chunk (and at S > 0 the vector after it) lies inside the row, but for chunk 0's
+    first vector, which at S > 0 reads the S elements before the row (inside the tensor: `ptr` is not before its
+    data, and they are not used). Rows at any offset
     (V = 50257) then read as aligned ones do: with plain loads a thread held one element, the tiles' reductions
     crossed threads at every level, and the kernel took 128-136 registers on the H200."""
     if S < 0:
@@ -839,7 +843,8 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
     `inv` (the fp32 inverse temperature; 1.0: not scaled): `(selected, stats)`, fp32 `[2, n * T]` selected logits
     (0.0 where this shard does not own the id) and `[2, 2, n * T, tiles]` per-tile `(max, sumexp)` of the policy
     and the reference rows (without a reference, only `[0]` of each is written). `entropy`: `[2, 3, n * T, tiles]`,
-    the policy's third plane its tiles' entropy sums (`canonical.tile_stats(..., entropy=True)`)."""
+    the policy's third plane its tiles' entropy sums (`canonical.tile_stats(..., entropy=True)`). The sums of tiles
+    whose maximum is NaN or +inf are not the reference's (`_tiles`); nothing reads them."""
     x = _rows2d(policy)
     r = _rows2d(ref) if ref is not None else x
     N, V = x.shape
