@@ -3,12 +3,13 @@
     python benchmarks/sass_row_kernel.py --dtype bf16 --rows shifted
 
 Compiles `triton/canonical.py`'s `_row_kernel` as `row_stats` launches it for rows of a whole chunk or more (tiles of
-128, chunks of 4096 columns, 4 warps; SUM_PAIRS off, which `row_stats` turns on for aligned fp32 rows) with `triton.compile` for an sm_90 target, disassembles it with the `cuobjdump`
-that Triton ships, and prints each loop's instructions, per element (a thread's share of a chunk) and by opcode,
-with the registers. `--rows`: `aligned` (every row starts on a 16-byte boundary: V = 131072), `shifted` (rows at
-every offset: V = 50257, a branch per offset), `plain` (the data itself off a boundary: plain loads). The loop
-counts are static: the bound an instruction-issue-limited kernel runs at, about 16 instructions per element for bf16
-rows at the H200's bandwidth (8 elements per SM and cycle at 1.98 GHz, 4 warp instructions per SM and cycle).
+128, chunks of 4096 columns, 4 warps; SUM_PAIRS off, which `row_stats` turns on for aligned fp32 rows) with
+`triton.compile` for an sm_90 target, disassembles it with the `cuobjdump` that Triton ships, and prints each loop's
+instructions, per element (a thread's share of a chunk) and by opcode, with the registers. `--rows`: `aligned`
+(every row starts on a 16-byte boundary: V = 131072), `shifted` (rows at every offset: V = 50257, a branch per
+offset), `plain` (the data itself off a boundary: plain loads). The loop counts are static: the bound an
+instruction-issue-limited kernel runs at, about 16 instructions per element for bf16 rows at the H200's bandwidth
+(8 elements per SM and cycle at 1.98 GHz, 4 warp instructions per SM and cycle).
 """
 
 from __future__ import annotations

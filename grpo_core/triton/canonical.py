@@ -136,9 +136,9 @@ def exp_nonpos(x):
 @triton.jit
 def exp_nonpos_loop(x):
     """`exp_nonpos` for the row and gradient kernels' loops, the same bits except that a NaN gives 0.0 (the gradient
-    kernel restores it per row; the row kernel's tiles need none, `_tiles`): no clamp, the flush decided by `x` against `canonical.EXP_NONZERO` (where
-    `exp` stops being 0: `canonical.exp`'s threshold, checked over every fp32 in [-104, -80]), two instructions fewer
-    per element."""
+    kernel restores it per row; the row kernel's tiles need none, `_tiles`): no clamp, the flush decided by `x`
+    against `canonical.EXP_NONZERO` (where `exp` stops being 0: `canonical.exp`'s threshold, checked over every fp32
+    in [-104, -80]), two instructions fewer per element."""
     if _EMULATE_FMA:
         x = _max(x, _EXP_MIN)  # the interpreter's float64 `_fma` would warn on inf - inf; the result is not taken
     p, t = _poly(x)
@@ -257,9 +257,9 @@ def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VE
     (`VEC` elements), and every load is of whole aligned vectors, each vector of the chunk taken from two of them
     (`_window`); without MASK the chunk (and at S > 0 the vector after it) lies inside the row, but for chunk 0's
     first vector, which at S > 0 reads the S elements before the row (inside the tensor: `ptr` is not before its
-    data, and they are not used). Rows at any offset
-    (V = 50257) then read as aligned ones do: with plain loads a thread held one element, the tiles' reductions
-    crossed threads at every level, and the kernel took 128-136 registers on the H200."""
+    data, and they are not used). Rows at any offset (V = 50257) then read as aligned ones do: with plain loads a
+    thread held one element, the tiles' reductions crossed threads at every level, and the kernel took 128-136
+    registers on the H200."""
     if S < 0:
         cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
         return tl.load(ptr + cols, mask=cols < V, other=float("-inf"))
