@@ -671,6 +671,33 @@ def _finish_kernel(
         tl.store(w_ptr + i, w, mask=i < S)
 
 
+@triton.jit
+def _grad_block(x_row, g_row, c, mask, a, coef, lse, ch, h, inv, SCALE: tl.constexpr, ENTROPY: tl.constexpr,
+                BF16_BITS: tl.constexpr):
+    """`_grad_kernel`'s gradient at columns `c` of one row (`a`: the action's column; `mask` None: all inside)."""
+    if mask is None:
+        x = tl.load(x_row + c).to(tl.float32)
+    else:
+        x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+    if SCALE:
+        x = x * inv
+    onehot = tl.where(c == a, 1.0, 0.0)
+    lp = x - lse
+    p = exp_nonpos_loop(lp)
+    grad = coef * (onehot - p)
+    if ENTROPY:
+        grad = grad + ch * tl.where(p > 0.0, p * (lp + h), 0.0)
+    if BF16_BITS:
+        b = grad.to(tl.int32, bitcast=True)
+        grad = ((b + (0x7FFF + ((b >> 16) & 1))) >> 16).to(tl.int16)
+    else:
+        grad = grad.to(g_row.dtype.element_ty)
+    if mask is None:
+        tl.store(g_row + c, grad)
+    else:
+        tl.store(g_row + c, grad, mask=mask)
+
+
 def _grad_kernel(
     x_ptr,  # policy logits [N, V], rows `stride_x` apart
     ids_ptr,  # global action ids [N]
@@ -700,6 +727,7 @@ def _grad_kernel(
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops (round to nearest even, as torch does)
     ENTROPY: tl.constexpr,  # plus the entropy bonus's term `ch * (p * ((z - lse) + h))` (`write_grad`'s)
     BLOCK: tl.constexpr,
+    VEC: tl.constexpr,  # > 0: elements per 16 bytes; both tensors 16-byte aligned, their rows at the same offsets
 ):
     row = tl.program_id(0).to(tl.int64)
     clip_lo, clip_hi, beta = tl.cast(clip_lo, tl.float32), tl.cast(clip_hi, tl.float32), tl.cast(beta, tl.float32)
@@ -752,23 +780,28 @@ def _grad_kernel(
         lse = tl.load(lse_ptr + row)
         coef = tl.where(lse == lse, coef, float("nan"))  # `exp_nonpos_loop` gives 0.0 where `exp_nonpos` gives NaN
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
-        x_row = x_ptr + row * stride_x
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            x = tl.load(x_row + c, mask=c < V, other=0.0).to(tl.float32)
-            if SCALE:
-                x = x * inv
-            onehot = tl.where(c == a, 1.0, 0.0)
-            lp = x - lse
-            p = exp_nonpos_loop(lp)
-            grad = coef * (onehot - p)
-            if ENTROPY:
-                grad = grad + ch * tl.where(p > 0.0, p * (lp + h), 0.0)
-            if BF16_BITS:
-                b = grad.to(tl.int32, bitcast=True)
-                tl.store(g_row + c, ((b + (0x7FFF + ((b >> 16) & 1))) >> 16).to(tl.int16), mask=c < V)
-            else:
-                tl.store(g_row + c, grad.to(g_ptr.dtype.element_ty), mask=c < V)
+        if VEC > 0:
+            # Rows off 16-byte boundaries, both tensors' at the same offset: the blocks start at the boundary before
+            # the row (aligned vectors; column = offset - shift), masked only in the row's first and last block.
+            start_x = row * stride_x
+            shift = (start_x % VEC).to(tl.int32)
+            x_row = x_ptr + tl.multiple_of(start_x - shift, VEC)
+            g_row = g_ptr + tl.multiple_of(row * stride_g - shift, VEC)
+            a = tl.where((a >= 0) & (a < V), a, -1).to(tl.int32) + shift  # int32 compares per element
+            end = V + shift
+            last = (end - 1) // BLOCK * BLOCK  # the last block's start
+            _grad_block(x_row, g_row, cols, (cols >= shift) & (cols < end), a, coef, lse, ch, h, inv, SCALE, ENTROPY,
+                        BF16_BITS)
+            for b in range(BLOCK, last, BLOCK):
+                _grad_block(x_row, g_row, b + cols, None, a, coef, lse, ch, h, inv, SCALE, ENTROPY, BF16_BITS)
+            if last > 0:
+                _grad_block(x_row, g_row, last + cols, last + cols < end, a, coef, lse, ch, h, inv, SCALE, ENTROPY,
+                            BF16_BITS)
+        else:
+            x_row = x_ptr + row * stride_x
+            for start in range(0, V, BLOCK):
+                c = start + cols
+                _grad_block(x_row, g_row, c, c < V, a, coef, lse, ch, h, inv, SCALE, ENTROPY, BF16_BITS)
     else:
         for start in range(0, V, BLOCK):
             c = start + cols
@@ -969,6 +1002,7 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
     N, V = x.shape
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device) if out is None else out
     bf16_bits = _INTERPRET and g.dtype == torch.bfloat16
+    block = min(GRAD_BLOCK, triton.next_power_of_2(V))
     if N and V:
         pick(_GRAD, V, x.stride(0), g.stride(0))[(N,)](
             x, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), logp.contiguous(),
@@ -982,5 +1016,15 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=SURROGATES[surrogate], GIVEN_COEF=coef is not None,
             TOKEN_ADV=adv.dim() == 2,
             SCALE=inv != 1.0, BF16_BITS=bf16_bits, ENTROPY=entropy is not None,
-            BLOCK=min(GRAD_BLOCK, triton.next_power_of_2(V)), **_fp())
+            BLOCK=block, VEC=_grad_vec(x, g, block), **_fp())
     return g.view(policy.shape)
+
+
+def _grad_vec(x: torch.Tensor, g: torch.Tensor, block: int) -> int:
+    """`_grad_kernel`'s VEC: the elements per 16 bytes when rows start off 16-byte boundaries at the same offsets in
+    both tensors (16-byte aligned data, one dtype, row strides equal modulo a vector) and a block holds a vector (the
+    first block covers the row's offset), else 0 (the plain loop: rows on boundaries vectorize with it, and it beat
+    aligned blocks there)."""
+    vec = _vec(x)
+    same = x.dtype == g.dtype and x.stride(0) % vec == g.stride(0) % vec != 0
+    return vec if same and x.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 and 4 <= vec <= block else 0
