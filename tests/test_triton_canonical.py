@@ -179,14 +179,15 @@ def test_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, ref_dt
 
 @pytest.mark.parametrize("dtype, over", [(torch.bfloat16, {}), (torch.bfloat16, dict(entropy_coef=0.01)),
                                          (torch.float16, dict(temperature=0.7)), (torch.float32, {})])
-def test_gradient_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, over):
+@pytest.mark.parametrize("V", [16 * 9 + 5, 16 * 9 + 8])
+def test_gradient_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, over, V):
     """The gradient kernel's aligned blocks (`_grad_vec` > 0): rows of an odd width start at every offset from a
-    16-byte boundary; blocks of 16 columns, so that each row has whole unmasked blocks between its masked first and
-    last; the entropy bonus's term, a temperature; the whole op's gradient against the torch kernels'."""
+    16-byte boundary (V = 149), or on boundaries that Triton cannot see (V = 152, not a multiple of 16); blocks of
+    16 columns, so that each row has whole unmasked blocks between its masked first and last; the entropy bonus's
+    term, a temperature; the whole op's gradient against the torch kernels'."""
     monkeypatch.setattr(kernels, "GRAD_BLOCK", 16)
     taken, grad_vec = [], kernels._grad_vec
     monkeypatch.setattr(kernels, "_grad_vec", lambda *a: taken.append(grad_vec(*a)) or taken[-1])
-    V = 16 * 9 + 5
     inp = make_inputs(2, 9, V, seed=11, wide=True, dtype=dtype)
     c = contract(V, 2, 9, vocab_tile=16, **over)
     assert_same(run(DistributedGRPOLossOp(kernels="triton"), inp, c),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 
 import torch
 import triton
@@ -55,7 +56,8 @@ BLOCK_S = 1024  # sequences per loop iteration of the finish kernel
 NUM_WARPS = 4  # the other kernels
 MAX_TILE = CHUNK  # the row kernels hold one tile per chunk at least
 
-_LOG2E, _ROUND, _ROUND_BITS = tl.constexpr(C.LOG2E), tl.constexpr(C.ROUND), tl.constexpr(0x4B400000)
+_LOG2E, _ROUND = tl.constexpr(C.LOG2E), tl.constexpr(C.ROUND)
+_ROUND_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", C.ROUND))[0])  # n = t_bits - ROUND_BITS
 _LN2_HI, _LN2_LO = tl.constexpr(C.LN2_HI), tl.constexpr(C.LN2_LO)
 _NEG_LN2_HI, _NEG_LN2_LO = tl.constexpr(-C.LN2_HI), tl.constexpr(-C.LN2_LO)
 _Q0, _Q1, _Q2 = tl.constexpr(C.EXP_Q[0]), tl.constexpr(C.EXP_Q[1]), tl.constexpr(C.EXP_Q[2])
@@ -142,7 +144,8 @@ def exp_nonpos_loop(x):
     if _EMULATE_FMA:
         x = _max(x, _EXP_MIN)  # the interpreter's float64 `_fma` would warn on inf - inf; the result is not taken
     p, t = _poly(x)
-    return tl.where(x >= _EXP_NONZERO, (p.to(tl.int32, bitcast=True) + (t << 23)).to(tl.float32, bitcast=True), 0.0)
+    bits = p.to(tl.int32, bitcast=True) + (t << 23)
+    return tl.where(x >= _EXP_NONZERO, bits.to(tl.float32, bitcast=True), 0.0)
 
 
 @triton.jit
@@ -781,8 +784,9 @@ def _grad_kernel(
         coef = tl.where(lse == lse, coef, float("nan"))  # `exp_nonpos_loop` gives 0.0 where `exp_nonpos` gives NaN
         a = tl.load(ids_ptr + row).to(tl.int64) - lo
         if VEC > 0:
-            # Rows off 16-byte boundaries, both tensors' at the same offset: the blocks start at the boundary before
-            # the row (aligned vectors; column = offset - shift), masked only in the row's first and last block.
+            # Rows not known to start on 16-byte boundaries (`_grad_vec`), both tensors' at the same offsets: the
+            # blocks start at the boundary before the row (aligned vectors; column = offset - shift), masked only in
+            # the row's first and last block.
             start_x = row * stride_x
             shift = (start_x % VEC).to(tl.int32)
             x_row = x_ptr + tl.multiple_of(start_x - shift, VEC)
@@ -824,6 +828,17 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
 def _vec(t: torch.Tensor) -> int:
     return 16 // t.element_size()
 
+
+def _grad_vec(x: torch.Tensor, g: torch.Tensor, V: int, block: int) -> int:
+    """`_grad_kernel`'s VEC: the elements per 16 bytes, for aligned blocks, when both tensors' data is 16-byte aligned,
+    they share a dtype, their rows start at the same offsets (row strides equal modulo a vector) and a block holds a
+    vector (the first block covers the row's offset); else 0, the plain loop, which vectorizes only where Triton
+    sees V and both row strides divisible by 16 (then it is taken: it beat aligned blocks on such rows)."""
+    vec = _vec(x)
+    if V % 16 == 0 and x.stride(0) % 16 == 0 and g.stride(0) % 16 == 0:
+        return 0
+    same = x.dtype == g.dtype and x.stride(0) % vec == g.stride(0) % vec
+    return vec if same and x.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 and 4 <= vec <= block else 0
 
 def _shifts(t: torch.Tensor, chunk: int) -> int:
     """`_row`'s SHIFTS for the rows of `t` `[N, V]` read in chunks of `chunk` columns: 0 (plain loads) unless its
@@ -1016,15 +1031,6 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=SURROGATES[surrogate], GIVEN_COEF=coef is not None,
             TOKEN_ADV=adv.dim() == 2,
             SCALE=inv != 1.0, BF16_BITS=bf16_bits, ENTROPY=entropy is not None,
-            BLOCK=block, VEC=_grad_vec(x, g, block), **_fp())
+            BLOCK=block, VEC=_grad_vec(x, g, V, block), **_fp())
     return g.view(policy.shape)
 
-
-def _grad_vec(x: torch.Tensor, g: torch.Tensor, block: int) -> int:
-    """`_grad_kernel`'s VEC: the elements per 16 bytes when rows start off 16-byte boundaries at the same offsets in
-    both tensors (16-byte aligned data, one dtype, row strides equal modulo a vector) and a block holds a vector (the
-    first block covers the row's offset), else 0 (the plain loop: rows on boundaries vectorize with it, and it beat
-    aligned blocks there)."""
-    vec = _vec(x)
-    same = x.dtype == g.dtype and x.stride(0) % vec == g.stride(0) % vec != 0
-    return vec if same and x.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 and 4 <= vec <= block else 0
