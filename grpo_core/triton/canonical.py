@@ -253,71 +253,32 @@ def _window(y, y2, S: tl.constexpr, R: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _load(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr, MASK: tl.constexpr):
-    """The loads of the tiles from tile `start` of one row (`NT` of `W` columns), `(y, y2)` for `_chunk`. S < 0:
-    `ptr` is the row's start, the loads masked (-inf past the row's end), y2 is y. S >= 0: `ptr` points S elements
-    before the row's start, at a 16-byte boundary (`VEC` elements), and every load is of whole aligned vectors: y
-    the chunk's, y2 (at S > 0; else y) those one vector further, bf16 as int32 words (two elements each, converted
-    by `_chunk`). Without MASK the chunk (and at S > 0 the vector after it) lies in the row, but for chunk 0's first
-    vector, which at S > 0 reads the S elements before the row (inside the tensor: `ptr` is not before its data,
-    and they are not used); with MASK no load goes past the row's end but for the other half of a word holding the
-    row's last element (in the same aligned 4 bytes, hence mapped memory; -inf after `_chunk`)."""
+def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr,
+           MASK: tl.constexpr = True):
+    """The `[NT, W]` logits of the tiles from tile `start` of one row. S < 0: `ptr` is the row's start, the loads
+    masked (-inf past the row's end). S >= 0: `ptr` points S elements before the row's start, at a 16-byte boundary
+    (`VEC` elements), and every load is of whole aligned vectors, each vector of the chunk taken from two of them
+    (`_window`); without MASK the chunk (and at S > 0 the vector after it) lies inside the row, but for chunk 0's
+    first vector, which at S > 0 reads the S elements before the row (inside the tensor: `ptr` is not before its
+    data, and they are not used). Rows at any offset (V = 50257) then read as aligned ones do: with plain loads a
+    thread held one element, the tiles' reductions crossed threads at every level, and the kernel took 128-136
+    registers on the H200."""
     if S < 0:
         cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
-        y = tl.load(ptr + cols, mask=cols < V, other=float("-inf"))
-        return y, y
+        return tl.load(ptr + cols, mask=cols < V, other=float("-inf"))
     else:
-        P: tl.constexpr = 2 if ptr.dtype.element_ty == tl.bfloat16 else 1  # elements per unit loaded
-        if P == 2:
-            ptr = ptr.to(tl.pointer_type(tl.int32))
-        H: tl.constexpr = VEC // P  # units per vector
-        o = start * (W // P) + tl.arange(0, NT * W // VEC)[:, None] * H + tl.arange(0, H)[None, :]
-        if MASK:  # unit o holds elements P * o .. P * o + P - 1 from `ptr`, the row's are S .. S + V - 1
-            y = tl.load(ptr + o, mask=(P * o + P - 1 >= S) & (P * o - S < V), other=float("-inf") if P == 1 else 0)
+        R: tl.constexpr = NT * W // VEC
+        o = start * W + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        if MASK:
+            y = tl.load(ptr + o, mask=(o >= S) & (o - S < V), other=float("-inf"))
         else:
             y = tl.load(ptr + o)
-        y2 = y
         if S > 0:
             if MASK:
-                y2 = tl.load(ptr + o + H, mask=P * (o + H) - S < V, other=float("-inf") if P == 1 else 0)
+                y2 = tl.load(ptr + o + VEC, mask=o + VEC - S < V, other=float("-inf"))
             else:
-                y2 = tl.load(ptr + o + H)
-        return y, y2
-
-
-@triton.jit
-def _half(w, HIGH: tl.constexpr):
-    """The bf16 in the high (HIGH) or low half of each int32 word `w`, as fp32 (exact): one instruction."""
-    if HIGH:
-        return (w & -65536).to(tl.float32, bitcast=True)
-    else:
-        return (w << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _chunk(y, y2, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr,
-           MASK: tl.constexpr):
-    """The `[NT, W]` logits of `_load`'s `(y, y2)` (bf16 as fp32): at S > 0 each vector of the chunk taken from two
-    of the loaded ones (`_window`). Rows at any offset (V = 50257) then read as aligned ones do: with plain loads a
-    thread held one element, the tiles' reductions crossed threads at every level, and the kernel took 128-136
-    registers on the H200. bf16: element 2k of a vector is the low half of word k from S // 2 at even S, the high
-    half at odd S; element 2k + 1 the other half of that word at even S, the low half of word k from S // 2 + 1 at
-    odd S: a shift or a mask each, where converting loaded bf16 took 1.5 instructions per element."""
-    if S < 0:
-        return y
-    elif y.dtype == tl.int32:
-        R: tl.constexpr = NT * W // 8
-        a, b = y, y
-        if S > 0:
-            a, b = _window(y, y2, S // 2, R, 4), _window(y, y2, (S + 1) // 2, R, 4)
-        x = tl.reshape(tl.join(_half(a, S % 2 == 1), _half(b, S % 2 == 0)), (R, 8))
-        if MASK:
-            e = start * W + tl.arange(0, R)[:, None] * 8 + tl.arange(0, 8)[None, :]
-            x = tl.where(e < V, x, float("-inf"))
-        return tl.reshape(x, (NT, W))
-    else:
-        if S > 0:
-            y = _window(y, y2, S, NT * W // VEC, VEC)
+                y2 = tl.load(ptr + o + VEC)
+            y = _window(y, y2, S, R, VEC)
         return tl.reshape(y, (NT, W))
 
 
@@ -331,8 +292,9 @@ def _tiles(x, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE
     x = x.to(tl.float32)
     if SCALE:
         x = x * inv
-    m = tl.reduce(x, 1, _max) + 0.0  # exact in any order (NaN if the tile holds one: the row raises); -0.0 -> +0.0
-    d = x - m[:, None]  # NaN in a tile of -inf alone: `e` is 0.0 there, as the reference's exp(-inf - 0.0)
+    m = tl.reduce(x, 1, _max)  # exact in any order; NaN if the tile holds one (then the row raises)
+    m = tl.where(m == 0.0, 0.0, m)
+    d = x - tl.where(m == float("-inf"), 0.0, m)[:, None]
     e = exp_nonpos_loop(d)  # 0.0 where `exp_nonpos` gives NaN: in the tiles whose maximum is NaN or +inf
     u = tl.zeros((NT,), tl.float32)
     if ENTROPY:
@@ -352,34 +314,15 @@ def _lse(m, s):
 def _chunks(ptr, lo, hi, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr,
             LOG2W: tl.constexpr, NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr, S: tl.constexpr,
             VEC: tl.constexpr, MASK: tl.constexpr = True):
-    """Chunks `lo .. hi - 1` of one row (`_load`, `_chunk`): their tiles' statistics (`_stats`). Without MASK
-    (whole chunks) each chunk's loads are issued a chunk ahead (the last chunk's twice): on the H200, fp32
-    rows of 131072 then took 2.06 against 2.39 ms (forward), bf16 rows the same time."""
-    if MASK:
-        for c in range(lo, hi):
-            y, y2 = _load(ptr, c * NT, V, NT, W, S, VEC, MASK)
-            _stats(_chunk(y, y2, c * NT, V, NT, W, S, VEC, MASK), c, m_ptr, s_offset, tiles, inv, SCALE, W, LOG2W,
-                   NT, SUM_PAIRS, ENTROPY)
-    elif lo < hi:
-        y, y2 = _load(ptr, lo * NT, V, NT, W, S, VEC, MASK)
-        for c in range(lo, hi):
-            y_next, y2_next = _load(ptr, tl.minimum(c + 1, hi - 1) * NT, V, NT, W, S, VEC, MASK)
-            _stats(_chunk(y, y2, c * NT, V, NT, W, S, VEC, MASK), c, m_ptr, s_offset, tiles, inv, SCALE, W, LOG2W,
-                   NT, SUM_PAIRS, ENTROPY)
-            y, y2 = y_next, y2_next
-
-
-@triton.jit
-def _stats(x, c, m_ptr, s_offset, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr,
-           NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
-    """The statistics of chunk `c`'s tiles `x` (`_tiles`) to `m_ptr` (maxima), `m_ptr + s_offset` (sums) and
-    (ENTROPY) `m_ptr + 2 * s_offset` (the entropy's sums)."""
-    t = c * NT + tl.arange(0, NT)
-    m, s, u = _tiles(x, inv, NT, W, LOG2W, SCALE, SUM_PAIRS, ENTROPY)
-    tl.store(m_ptr + t, m, mask=t < tiles)
-    tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
-    if ENTROPY:
-        tl.store(m_ptr + 2 * s_offset + t, u, mask=t < tiles)
+    """Chunks `lo .. hi - 1` of one row (`_chunk`): their tiles' statistics to `m_ptr` (maxima), `m_ptr + s_offset`
+    (sums) and (ENTROPY) `m_ptr + 2 * s_offset` (the entropy's sums)."""
+    for c in range(lo, hi):
+        t = c * NT + tl.arange(0, NT)
+        m, s, u = _tiles(_chunk(ptr, c * NT, V, NT, W, S, VEC, MASK), inv, NT, W, LOG2W, SCALE, SUM_PAIRS, ENTROPY)
+        tl.store(m_ptr + t, m, mask=t < tiles)
+        tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
+        if ENTROPY:
+            tl.store(m_ptr + 2 * s_offset + t, u, mask=t < tiles)
 
 
 @triton.jit
