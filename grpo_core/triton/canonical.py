@@ -840,6 +840,7 @@ def _grad_vec(x: torch.Tensor, g: torch.Tensor, V: int, block: int) -> int:
     same = x.dtype == g.dtype and x.stride(0) % vec == g.stride(0) % vec
     return vec if same and x.data_ptr() % 16 == 0 and g.data_ptr() % 16 == 0 and 4 <= vec <= block else 0
 
+
 def _shifts(t: torch.Tensor, chunk: int) -> int:
     """`_row`'s SHIFTS for the rows of `t` `[N, V]` read in chunks of `chunk` columns: 0 (plain loads) unless its
     data is 16-byte aligned, a vector holds 4 or 8 elements and a row holds a whole chunk and a vector more (else
@@ -1033,4 +1034,3 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
             SCALE=inv != 1.0, BF16_BITS=bf16_bits, ENTROPY=entropy is not None,
             BLOCK=block, VEC=_grad_vec(x, g, V, block), **_fp())
     return g.view(policy.shape)
-
