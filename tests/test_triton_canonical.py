@@ -155,15 +155,21 @@ def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, merge
 @pytest.mark.parametrize("offset", [0, 1])
 def test_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, ref_dtype, entropy, offset):
     """The row kernel's aligned loads (`_row`'s branch per offset, `_window`): rows of an odd width start at every
-    offset from a 16-byte boundary; two whole chunks each, then a masked one; one copy of the code for both tensors
+    offset from a 16-byte boundary; two whole chunks each, then the masked rest in smaller chunks; one copy of the code for both tensors
     (same dtype, no entropy) or one each (another dtype, the policy's entropy sums); a temperature; `offset` 1: the
-    policy's data itself off a 16-byte boundary (plain loads)."""
+    policy's data itself off a 16-byte boundary (plain loads); a tile of -inf alone, a tile whose maximum is -0.0
+    (stored as +0.0)."""
     monkeypatch.setattr(kernels, "CHUNK", 64)
+    monkeypatch.setattr(kernels, "TAIL_CHUNK", 32)  # the masked rest in chunks of 2 tiles
     N, V, W, inv = 17, 16 * 9 + 5, 16, 1 / 0.7  # V: 10 tiles, chunks of 4 tiles (2 whole), rows 149 elements apart
     g = torch.Generator().manual_seed(1)
     flat = (torch.randn(N * V + offset, generator=g) * 3).to(dtype).to(DEV)
     flat[offset + 5 * V + 17] = float("-inf")
     x, r = flat[offset:].view(N, V), (torch.randn(N, V, generator=g) * 3).to(ref_dtype).to(DEV)
+    for t in (x, r):  # a tile of -inf alone, a tile whose maximum is -0.0
+        t[3, 16:32] = float("-inf")
+        t[4, 32:48] = -t[4, 32:48].abs()
+        t[4, 40] = -0.0
     assert kernels._shifts(x, 64) == (0 if offset else kernels._vec(x)) and kernels._shifts(r, 64) == kernels._vec(r)
     ids = torch.randint(0, V, (N,), generator=g).to(DEV)
     mask = torch.ones(N, dtype=torch.bool, device=DEV)
@@ -175,6 +181,26 @@ def test_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, ref_dt
         for j, w in enumerate(want):
             assert_bitwise_equal(stats[k, j].cpu(), w, f"{dtype} offset {offset} tensor {k} statistic {j}")
         assert_bitwise_equal(sel[k].cpu(), z[torch.arange(N), ids.cpu()], f"tensor {k} selected logits")
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_bf16_rows_in_tiles_narrower_than_a_vector_give_the_reference_bits(monkeypatch, width):
+    """bf16 rows read as int32 words (`_load`) in tiles of 1 or 2 columns: rows at every offset, whole chunks, then
+    the masked rest in chunks of 8 columns; a tile of -inf alone at each row's end; an fp32 reference beside them."""
+    monkeypatch.setattr(kernels, "CHUNK", 16)
+    monkeypatch.setattr(kernels, "TAIL_CHUNK", 8)
+    N, V = 9, 45
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(N, V, generator=g) * 3).to(torch.bfloat16).to(DEV)
+    x[:, -1] = float("-inf")
+    r = (torch.randn(N, V, generator=g) * 3).to(DEV)
+    assert kernels._shifts(x, 16) == 8 and kernels._shifts(r, 16) == 4
+    ids = torch.randint(0, V, (N,), generator=g).to(DEV)
+    sel, stats = kernels.row_stats(x, r, ids, torch.ones(N, dtype=torch.bool, device=DEV), 0, width)
+    for k, t in enumerate((x, r)):
+        for j, want in enumerate(canonical.tile_stats(t.cpu().float(), width)):
+            assert_bitwise_equal(stats[k, j].cpu(), want, f"width {width} tensor {k} statistic {j}")
+        assert_bitwise_equal(sel[k].cpu(), t.cpu().float()[torch.arange(N), ids.cpu()], f"tensor {k} selected")
 
 
 @pytest.mark.parametrize("dtype, over", [(torch.bfloat16, {}), (torch.bfloat16, dict(entropy_coef=0.01)),

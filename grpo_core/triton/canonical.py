@@ -9,7 +9,7 @@ dimension of two, or `tl.sum` over it: one add, the only possible order).
 
 - `_row_kernel`, one program per token row and tensor (policy, reference): the row streams in chunks of `NT`
   vocabulary tiles of `W` columns, read as aligned 16-byte vectors wherever the row starts when the data is 16-byte
-  aligned and a row holds a chunk and a vector (`_shifts`; else plain loads, `_chunk`); each
+  aligned and a row holds a chunk and a vector (`_shifts`; else plain loads, `_load`); each
   tile's `(max, sum exp(x - max))` goes to memory (`[tokens, V / W]` pairs, a `W`-th of the row's floats), with
   the row's selected logit.
 - `_merge_kernel`, one program per block of rows: the tree of `canonical.merge_stats` over each row's tile
@@ -49,6 +49,7 @@ from .launch import SURROGATES, finish_options, pick, twins
 # (rows not on 16-byte boundaries).
 CHUNK = 4096  # vocabulary columns per loop iteration of the row kernel
 ROW_WARPS = 4
+TAIL_CHUNK = 1024  # columns per masked chunk after a row's whole chunks (one bf16 vector per thread of ROW_WARPS)
 MERGE_BLOCK = 8192  # tile statistics per loop iteration of the merge kernel (rows x tiles)
 GRAD_BLOCK = 4096  # columns per loop iteration of the gradient kernel
 BLOCK_T = 1024  # tokens per loop iteration of the sequence kernel
@@ -138,7 +139,8 @@ def exp_nonpos(x):
 @triton.jit
 def exp_nonpos_loop(x):
     """`exp_nonpos` for the row and gradient kernels' loops, the same bits except that a NaN gives 0.0 (the gradient
-    kernel restores it per row; the row kernel's tiles need none, `_tiles`): no clamp, the flush decided by `x`
+    kernel restores it per row; the row kernel's tiles rely on it: in a tile of -inf alone each difference to the
+    maximum is NaN, and 0.0 is the reference's exp(-inf), `_tiles`): no clamp, the flush decided by `x`
     against `canonical.EXP_NONZERO` (where `exp` stops being 0: `canonical.exp`'s threshold, checked over every fp32
     in [-104, -80]), two instructions fewer per element."""
     if _EMULATE_FMA:
@@ -253,32 +255,73 @@ def _window(y, y2, S: tl.constexpr, R: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr,
-           MASK: tl.constexpr = True):
-    """The `[NT, W]` logits of the tiles from tile `start` of one row. S < 0: `ptr` is the row's start, the loads
-    masked (-inf past the row's end). S >= 0: `ptr` points S elements before the row's start, at a 16-byte boundary
-    (`VEC` elements), and every load is of whole aligned vectors, each vector of the chunk taken from two of them
-    (`_window`); without MASK the chunk (and at S > 0 the vector after it) lies inside the row, but for chunk 0's
-    first vector, which at S > 0 reads the S elements before the row (inside the tensor: `ptr` is not before its
-    data, and they are not used). Rows at any offset (V = 50257) then read as aligned ones do: with plain loads a
-    thread held one element, the tiles' reductions crossed threads at every level, and the kernel took 128-136
-    registers on the H200."""
+def _load(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr, MASK: tl.constexpr):
+    """The loads of the tiles from tile `start` of one row (`NT` of `W` columns), `(y, y2)` for `_chunk`. S < 0:
+    `ptr` is the row's start, the loads masked (-inf past the row's end), y2 is y. S >= 0: `ptr` points S elements
+    before the row's start, at a 16-byte boundary (`VEC` elements), and every load is of whole aligned vectors: y
+    the chunk's, y2 (at S > 0; else y) those one vector further, bf16 as int32 words (two elements each, converted
+    by `_chunk`). Rows at any offset (V = 50257) then read as aligned ones do: with plain loads a thread held one
+    element, the tiles' reductions crossed threads at every level, and the kernel took 128-136 registers on the H200.
+    Without MASK the chunk (and at S > 0 the vector after it) lies in the row, but for chunk 0's first
+    vector, which at S > 0 reads the S elements before the row (inside the tensor: `ptr` is not before its data,
+    and they are not used); with MASK no load reaches outside the row but for the other half of a word holding the
+    row's first or last element (in the same aligned 4 bytes, hence mapped memory, even past the tensor's end after
+    its last row; a memory checker on an allocation of the tensor's exact size may report it), not used."""
     if S < 0:
         cols = (start + tl.arange(0, NT))[:, None] * W + tl.arange(0, W)[None, :]
-        return tl.load(ptr + cols, mask=cols < V, other=float("-inf"))
+        y = tl.load(ptr + cols, mask=cols < V, other=float("-inf"))
+        return y, y
     else:
-        R: tl.constexpr = NT * W // VEC
-        o = start * W + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-        if MASK:
-            y = tl.load(ptr + o, mask=(o >= S) & (o - S < V), other=float("-inf"))
+        P: tl.constexpr = 2 if ptr.dtype.element_ty == tl.bfloat16 else 1  # elements per unit loaded
+        if P == 2:
+            ptr = ptr.to(tl.pointer_type(tl.int32))
+        H: tl.constexpr = VEC // P  # units per vector
+        o = start * W // P + tl.arange(0, NT * W // VEC)[:, None] * H + tl.arange(0, H)[None, :]
+        if MASK:  # unit o holds elements P * o .. P * o + P - 1 from `ptr`, the row's are S .. S + V - 1
+            y = tl.load(ptr + o, mask=(P * o + P - 1 >= S) & (P * o - S < V), other=float("-inf") if P == 1 else 0)
         else:
             y = tl.load(ptr + o)
+        y2 = y
         if S > 0:
             if MASK:
-                y2 = tl.load(ptr + o + VEC, mask=o + VEC - S < V, other=float("-inf"))
+                y2 = tl.load(ptr + o + H, mask=P * (o + H) - S < V, other=float("-inf") if P == 1 else 0)
             else:
-                y2 = tl.load(ptr + o + VEC)
-            y = _window(y, y2, S, R, VEC)
+                y2 = tl.load(ptr + o + H)
+        return y, y2
+
+
+@triton.jit
+def _half(w, HIGH: tl.constexpr):
+    """The bf16 in the high (HIGH) or low half of each int32 word `w`, as fp32 (exact): one instruction (-65536 is
+    0xFFFF0000)."""
+    if HIGH:
+        return (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        return (w << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _chunk(y, y2, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr,
+           MASK: tl.constexpr):
+    """The `[NT, W]` logits of `_load`'s `(y, y2)` (bf16 as fp32): at S > 0 each vector of the chunk taken from two
+    of the loaded ones (`_window`). bf16: element 2k of a vector is the low half of word k from S // 2 at even S,
+    the high half at odd S; element 2k + 1 the other half of that word at even S, the low half of word k from
+    S // 2 + 1 at odd S: a shift or a mask each, where converting loaded bf16 took 1.5 instructions per element."""
+    if S < 0:
+        return y
+    elif y.dtype == tl.int32:
+        R: tl.constexpr = NT * W // 8
+        a, b = y, y
+        if S > 0:
+            a, b = _window(y, y2, S // 2, R, 4), _window(y, y2, (S + 1) // 2, R, 4)
+        x = tl.reshape(tl.join(_half(a, S % 2 == 1), _half(b, S % 2 == 0)), (R, 8))
+        if MASK:
+            e = start * W + tl.arange(0, R)[:, None] * 8 + tl.arange(0, 8)[None, :]
+            x = tl.where(e < V, x, float("-inf"))
+        return tl.reshape(x, (NT, W))
+    else:
+        if S > 0:
+            y = _window(y, y2, S, NT * W // VEC, VEC)
         return tl.reshape(y, (NT, W))
 
 
@@ -286,16 +329,19 @@ def _chunk(ptr, start, V, NT: tl.constexpr, W: tl.constexpr, S: tl.constexpr, VE
 def _tiles(x, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr,
            SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
     """`canonical.tile_stats` of `NT` tiles `x` `[NT, W]` of one row (its logits times `inv`, the inverse
-    temperature, with SCALE): `[NT]` maxima, sums and (ENTROPY, else 0) the entropy's sums. A tile whose maximum is
-    NaN or +inf has a sum other than the reference's NaN (`exp_nonpos_loop`); nothing reads it: the row's lse and
-    entropy are NaN by the maximum alone (`_lse`, `_entropy`)."""
+    temperature, with SCALE): `[NT]` maxima, sums and (ENTROPY, else 0) the entropy's sums; a tile of -inf alone
+    gives (-inf, 0, 0) through NaN differences (`exp_nonpos_loop`). A tile whose maximum is NaN or +inf has a sum
+    other than the reference's NaN; nothing reads it: the row's lse and entropy are NaN by the maximum alone (`_lse`,
+    `_entropy`)."""
     x = x.to(tl.float32)
     if SCALE:
         x = x * inv
-    m = tl.reduce(x, 1, _max)  # exact in any order; NaN if the tile holds one (then the row raises)
-    m = tl.where(m == 0.0, 0.0, m)
-    d = x - tl.where(m == float("-inf"), 0.0, m)[:, None]
-    e = exp_nonpos_loop(d)  # 0.0 where `exp_nonpos` gives NaN: in the tiles whose maximum is NaN or +inf
+    m = tl.reduce(x, 1, _max) + 0.0  # exact in any order (NaN if the tile holds one: the row raises); -0.0 -> +0.0
+    if _EMULATE_FMA:  # the same `e`, without numpy's warning on -inf - -inf
+        d = x - tl.where(m == float("-inf"), 0.0, m)[:, None]
+    else:
+        d = x - m[:, None]  # NaN in a tile of -inf alone: `e` is 0.0 there, the reference's exp(-inf - 0.0)
+    e = exp_nonpos_loop(d)  # 0.0 where `exp_nonpos` gives NaN: tiles of -inf alone, tiles whose maximum is NaN or +inf
     u = tl.zeros((NT,), tl.float32)
     if ENTROPY:
         u = e * d
@@ -314,25 +360,45 @@ def _lse(m, s):
 def _chunks(ptr, lo, hi, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr,
             LOG2W: tl.constexpr, NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr, S: tl.constexpr,
             VEC: tl.constexpr, MASK: tl.constexpr = True):
-    """Chunks `lo .. hi - 1` of one row (`_chunk`): their tiles' statistics to `m_ptr` (maxima), `m_ptr + s_offset`
-    (sums) and (ENTROPY) `m_ptr + 2 * s_offset` (the entropy's sums)."""
-    for c in range(lo, hi):
-        t = c * NT + tl.arange(0, NT)
-        m, s, u = _tiles(_chunk(ptr, c * NT, V, NT, W, S, VEC, MASK), inv, NT, W, LOG2W, SCALE, SUM_PAIRS, ENTROPY)
-        tl.store(m_ptr + t, m, mask=t < tiles)
-        tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
-        if ENTROPY:
-            tl.store(m_ptr + 2 * s_offset + t, u, mask=t < tiles)
+    """Chunks `lo .. hi - 1` of one row (`_load`, `_chunk`): their tiles' statistics (`_stats`). Without MASK
+    (whole chunks) each chunk's loads are issued a chunk ahead (the last chunk's twice): on the H200, fp32
+    rows of 131072 then took 2.06 against 2.39 ms (forward), bf16 rows the same time."""
+    if MASK:
+        for c in range(lo, hi):
+            y, y2 = _load(ptr, c * NT, V, NT, W, S, VEC, MASK)
+            _stats(m_ptr, s_offset, tiles, c, _chunk(y, y2, c * NT, V, NT, W, S, VEC, MASK), inv, SCALE, W, LOG2W,
+                   NT, SUM_PAIRS, ENTROPY)
+    elif lo < hi:
+        y, y2 = _load(ptr, lo * NT, V, NT, W, S, VEC, MASK)
+        for c in range(lo, hi):
+            y_next, y2_next = _load(ptr, tl.minimum(c + 1, hi - 1) * NT, V, NT, W, S, VEC, MASK)
+            _stats(m_ptr, s_offset, tiles, c, _chunk(y, y2, c * NT, V, NT, W, S, VEC, MASK), inv, SCALE, W, LOG2W,
+                   NT, SUM_PAIRS, ENTROPY)
+            y, y2 = y_next, y2_next
+
+
+@triton.jit
+def _stats(m_ptr, s_offset, tiles, c, x, inv, SCALE: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr,
+           NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr):
+    """The statistics of chunk `c`'s tiles `x` (`_tiles`) to `m_ptr` (maxima), `m_ptr + s_offset` (sums) and
+    (ENTROPY) `m_ptr + 2 * s_offset` (the entropy's sums)."""
+    t = c * NT + tl.arange(0, NT)
+    m, s, u = _tiles(x, inv, NT, W, LOG2W, SCALE, SUM_PAIRS, ENTROPY)
+    tl.store(m_ptr + t, m, mask=t < tiles)
+    tl.store(m_ptr + s_offset + t, s, mask=t < tiles)
+    if ENTROPY:
+        tl.store(m_ptr + 2 * s_offset + t, u, mask=t < tiles)
 
 
 @triton.jit
 def _row(ptr, row, stride, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexpr, W: tl.constexpr,
-         LOG2W: tl.constexpr, NT: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr, VEC: tl.constexpr,
-         SHIFTS: tl.constexpr):
+         LOG2W: tl.constexpr, NT: tl.constexpr, NT_TAIL: tl.constexpr, SUM_PAIRS: tl.constexpr, ENTROPY: tl.constexpr,
+         VEC: tl.constexpr, SHIFTS: tl.constexpr):
     """One active row (`row` of the tensor at `ptr`): its tiles' statistics (`_chunks`); returns the selected logit
     (column `a`, 0.0 when this shard does not own it). SHIFTS > 0: `ptr` is 16-byte aligned and every row starts
-    fewer than SHIFTS elements after a 16-byte boundary (`VEC` elements): a branch per offset (`_chunk`'s S), its
-    whole chunks unmasked, the last masked. SHIFTS = 0: plain loads."""
+    fewer than SHIFTS elements after a 16-byte boundary (`VEC` elements): a branch per offset (`_load`'s S), its
+    whole chunks unmasked, the rest masked in chunks of NT_TAIL tiles (a row of 151936 ends in 3 tiles; computed as a
+    chunk of 32, they had been 2.4% of its work). SHIFTS = 0: plain loads."""
     chunks = tl.cdiv(tiles, NT)
     start = row * stride
     if SHIFTS > 0:
@@ -344,8 +410,8 @@ def _row(ptr, row, stride, a, m_ptr, s_offset, V, tiles, inv, SCALE: tl.constexp
                 full = tl.maximum(tl.minimum((V - (VEC if S > 0 else 0)) // (NT * W), chunks), 0)
                 _chunks(base, 0, full, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY, S,
                         VEC, False)
-                _chunks(base, full, chunks, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY,
-                        S, VEC, True)
+                _chunks(base, full * (NT // NT_TAIL), tl.cdiv(tiles, NT_TAIL), m_ptr, s_offset, V, tiles, inv, SCALE,
+                        W, LOG2W, NT_TAIL, SUM_PAIRS, ENTROPY, S, VEC, True)
     else:
         _chunks(ptr + start, 0, chunks, m_ptr, s_offset, V, tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, ENTROPY, -1,
                 VEC)
@@ -370,6 +436,7 @@ def _row_kernel(
     SCALE: tl.constexpr,  # temperature != 1: the logits are multiplied by `inv` as they are read
     W: tl.constexpr, LOG2W: tl.constexpr,  # tile width (a power of two)
     NT: tl.constexpr,  # tiles per chunk
+    NT_TAIL: tl.constexpr,  # tiles per masked chunk after a row's whole chunks (a power of two, at most NT)
     SUM_PAIRS: tl.constexpr,  # `_tiles`; on the H200 faster for fp32 rows on 16-byte boundaries, slower otherwise
     ENTROPY: tl.constexpr,  # the policy rows' entropy sums too (P = 3 planes per tensor, else 2)
     VEC_X: tl.constexpr, VEC_R: tl.constexpr,  # elements per 16 bytes of each tensor
@@ -392,13 +459,13 @@ def _row_kernel(
         if SHARED:
             z = _row(tl.where(which == 0, x_ptr, r_ptr), row, tl.where(which == 0, stride_x, stride_r), a,
                      stats_ptr + which.to(tl.int64) * 2 * plane + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W,
-                     NT, SUM_PAIRS, False, VEC_X, SHIFTS_X)
+                     NT, NT_TAIL, SUM_PAIRS, False, VEC_X, SHIFTS_X)
         elif which == 0:
             z = _row(x_ptr, row, stride_x, a, stats_ptr + row * tiles, plane, V, tiles, inv, SCALE, W, LOG2W, NT,
-                     SUM_PAIRS, ENTROPY, VEC_X, SHIFTS_X)
+                     NT_TAIL, SUM_PAIRS, ENTROPY, VEC_X, SHIFTS_X)
         else:
             z = _row(r_ptr, row, stride_r, a, stats_ptr + (2 + ENTROPY) * plane.to(tl.int64) + row * tiles, plane, V,
-                     tiles, inv, SCALE, W, LOG2W, NT, SUM_PAIRS, False, VEC_R, SHIFTS_R)
+                     tiles, inv, SCALE, W, LOG2W, NT, NT_TAIL, SUM_PAIRS, False, VEC_R, SHIFTS_R)
     tl.store(sel_ptr + which * N + row, z, mask=inside)
 
 
@@ -907,6 +974,7 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
         pick(_ROW, V, x.stride(0), r.stride(0))[(max(p * -(-N // p) for p in periods), 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, *periods, SCALE=inv != 1.0, W=width, LOG2W=_log2(width), NT=nt,
+            NT_TAIL=max(1, min(nt, TAIL_CHUNK // width)),
             SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for t in (x, r)),
             ENTROPY=entropy, VEC_X=_vec(x), VEC_R=_vec(r), SHIFTS_X=shifts[0], SHIFTS_R=shifts[1],
             SHARED=not entropy and x.dtype == r.dtype and shifts[0] == shifts[1], **_fp(ROW_WARPS))
