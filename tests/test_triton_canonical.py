@@ -155,10 +155,10 @@ def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, merge
 @pytest.mark.parametrize("offset", [0, 1])
 def test_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, ref_dtype, entropy, offset):
     """The row kernel's aligned loads (`_row`'s branch per offset, `_window`): rows of an odd width start at every
-    offset from a 16-byte boundary; two whole chunks each, then the masked rest in smaller chunks; one copy of the code for both tensors
-    (same dtype, no entropy) or one each (another dtype, the policy's entropy sums); a temperature; `offset` 1: the
-    policy's data itself off a 16-byte boundary (plain loads); a tile of -inf alone, a tile whose maximum is -0.0
-    (stored as +0.0)."""
+    offset from a 16-byte boundary; two whole chunks each, then the masked rest in smaller chunks; one copy of the
+    code for both tensors (same dtype, no entropy) or one each (another dtype, the policy's entropy sums); a
+    temperature; `offset` 1: the policy's data itself off a 16-byte boundary (plain loads); a tile of -inf alone, a
+    tile whose maximum is -0.0 (stored as +0.0)."""
     monkeypatch.setattr(kernels, "CHUNK", 64)
     monkeypatch.setattr(kernels, "TAIL_CHUNK", 32)  # the masked rest in chunks of 2 tiles
     N, V, W, inv = 17, 16 * 9 + 5, 16, 1 / 0.7  # V: 10 tiles, chunks of 4 tiles (2 whole), rows 149 elements apart
@@ -186,9 +186,10 @@ def test_rows_at_every_offset_give_the_reference_bits(monkeypatch, dtype, ref_dt
 @pytest.mark.parametrize("width", [1, 2])
 def test_bf16_rows_in_tiles_narrower_than_a_vector_give_the_reference_bits(monkeypatch, width):
     """bf16 rows read as int32 words (`_load`) in tiles of 1 or 2 columns: rows at every offset, whole chunks, then
-    the masked rest in chunks of 8 columns; a tile of -inf alone at each row's end; an fp32 reference beside them."""
+    the masked rest in chunks of a vector (8 columns); a tile of -inf alone at each row's end; an fp32 reference
+    beside them."""
     monkeypatch.setattr(kernels, "CHUNK", 16)
-    monkeypatch.setattr(kernels, "TAIL_CHUNK", 8)
+    monkeypatch.setattr(kernels, "TAIL_CHUNK", 4)  # under a vector: the masked rest in chunks of one (8 columns)
     N, V = 9, 45
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(N, V, generator=g) * 3).to(torch.bfloat16).to(DEV)

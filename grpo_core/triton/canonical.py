@@ -974,7 +974,7 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
         pick(_ROW, V, x.stride(0), r.stride(0))[(max(p * -(-N // p) for p in periods), 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, *periods, SCALE=inv != 1.0, W=width, LOG2W=_log2(width), NT=nt,
-            NT_TAIL=max(1, min(nt, TAIL_CHUNK // width)),
+            NT_TAIL=max(1, min(nt, max(TAIL_CHUNK, _vec(x), _vec(r)) // width)),  # a vector at least
             SUM_PAIRS=all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for t in (x, r)),
             ENTROPY=entropy, VEC_X=_vec(x), VEC_R=_vec(r), SHIFTS_X=shifts[0], SHIFTS_R=shifts[1],
             SHARED=not entropy and x.dtype == r.dtype and shifts[0] == shifts[1], **_fp(ROW_WARPS))
