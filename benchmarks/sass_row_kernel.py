@@ -39,8 +39,8 @@ def compile_row_kernel(dtype: str, rows: str, entropy: bool):
     signature = dict(x_ptr=f"*{dtype}", r_ptr=f"*{dtype}", ids_ptr="*i64", mask_ptr="*i1", sel_ptr="*fp32",
                      stats_ptr="*fp32", N="i32", V="i32", stride_x="i32", stride_r="i32", lo="i32", tiles="i32",
                      plane="i32", inv="fp32", period_x="i32", period_r="i32")
-    constexprs = dict(SCALE=False, W=128, LOG2W=7, NT=K.CHUNK // 128, NT_TAIL=K.TAIL_CHUNK // 128, SUM_PAIRS=False, ENTROPY=entropy, VEC_X=vec,
-                      VEC_R=vec, SHIFTS_X=shifts, SHIFTS_R=shifts, SHARED=not entropy)
+    constexprs = dict(SCALE=False, W=128, LOG2W=7, NT=K.CHUNK // 128, NT_TAIL=K.TAIL_CHUNK // 128, SUM_PAIRS=False,
+                      ENTROPY=entropy, VEC_X=vec, VEC_R=vec, SHIFTS_X=shifts, SHIFTS_R=shifts, SHARED=not entropy)
     divisible = ["ids_ptr", "mask_ptr", "sel_ptr", "stats_ptr"] + (["x_ptr", "r_ptr"] if rows != "plain" else [])
     divisible += ["V", "stride_x", "stride_r"] if rows == "aligned" else []
     fn = K._ROW[0]
