@@ -10,6 +10,11 @@ instructions, per element (a thread's share of a chunk) and by opcode, with the 
 offset), `plain` (the data itself off a boundary: plain loads). The loop counts are static: the bound an
 instruction-issue-limited kernel runs at, about 16 instructions per element for bf16 rows at the H200's bandwidth
 (8 elements per SM and cycle at 1.98 GHz, 4 warp instructions per SM and cycle).
+
+    python benchmarks/sass_row_kernel.py --merge 1187 [--merge-tiles 8192]
+
+`--merge TILES`: the merge kernel instead, in the blocks `merge_lse` takes for rows of TILES tile statistics, and the
+warp instructions it issues per row (its loop once per block of the row; `--merge-tiles`: `MERGE_TILES` set to that).
 """
 
 from __future__ import annotations
@@ -52,6 +57,20 @@ def compile_row_kernel(dtype: str, rows: str, entropy: bool):
                           options=dict(num_warps=K.ROW_WARPS, enable_fp_fusion=False))
 
 
+def compile_merge_kernel(rows: int, bt: int, chunks: int):
+    fn = K._merge_kernel
+    names = list(fn.arg_names)
+    pointers = ["stats_ptr", "mask_ptr", "lse_ptr", "ent_ptr", "sel_ptr"]
+    signature = {**{n: "*fp32" for n in pointers}, "mask_ptr": "*i1", "N": "i32", "tiles": "i32", "plane": "i32"}
+    constexprs = dict(ROWS=rows, BT=bt, LOG2BT=K._log2(bt), CHUNKS=chunks, LOG2C=K._log2(chunks), ENTROPY=False,
+                      LOGP=True)
+    src = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.NUM_WARPS,
+                                                                               enable_fp_fusion=False))
+
+
 def cuobjdump(kernel, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -60,25 +79,50 @@ def cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
+def disassemble(kernel) -> list[tuple[int, str, str]]:
+    return [(int(a, 16), op.split(".")[0], rest) for a, op, rest in _INSTR.findall(cuobjdump(kernel, "-sass"))]
+
+
+def loops(instrs: list[tuple[int, str, str]]):
+    """Each loop's start address and opcodes (a backward branch closes a loop)."""
+    for addr, op, rest in instrs:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            yield int(target.group(1), 16), [o for a, o, _ in instrs if int(target.group(1), 16) <= a <= addr]
+
+
+def registers(kernel) -> str:
+    return " ".join(line.strip() for line in cuobjdump(kernel, "-res-usage").splitlines() if "REG" in line)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--rows", choices=("aligned", "shifted", "plain"), default="shifted")
     p.add_argument("--entropy", action="store_true")
+    p.add_argument("--merge", type=int, metavar="TILES", help="the merge kernel, for rows of TILES statistics")
+    p.add_argument("--merge-tiles", type=int, help="MERGE_TILES for --merge")
     args = p.parse_args()
+    if args.merge:
+        if args.merge_tiles:
+            K.MERGE_TILES = args.merge_tiles
+        rows, bt, chunks = K.merge_blocks(1 << 20, args.merge)
+        kernel = compile_merge_kernel(rows, bt, chunks)
+        instrs = disassemble(kernel)
+        body = max((loop for _, loop in loops(instrs)), key=len)  # over a row's blocks
+        per_row = ((-(-args.merge // bt) - 1) * len(body) + len(instrs)) * K.NUM_WARPS / rows
+        print(f"merge kernel, rows of {args.merge} tiles, triton {triton.__version__}: ROWS={rows} BT={bt} "
+              f"CHUNKS={chunks}, {len(instrs)} instructions, its loop {len(body)}; {per_row:.0f} warp instructions "
+              f"per row; {registers(kernel)}")
+        return
     kernel = compile_row_kernel(args.dtype, args.rows, args.entropy)
-    instrs = [(int(a, 16), op.split(".")[0], rest) for a, op, rest in _INSTR.findall(cuobjdump(kernel, "-sass"))]
+    instrs = disassemble(kernel)
     per_thread = K.CHUNK // (32 * K.ROW_WARPS)  # elements a thread holds of a chunk
-    print(f"{args.dtype} {args.rows} rows, triton {triton.__version__}: {len(instrs)} instructions; "
-          + " ".join(line.strip() for line in cuobjdump(kernel, "-res-usage").splitlines() if "REG" in line))
-    for addr, op, rest in instrs:  # a backward branch closes a loop
-        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if target and int(target.group(1), 16) < addr:
-            loop = [o for a, o, _ in instrs if int(target.group(1), 16) <= a <= addr]
-            if len(loop) > 100:
-                top = ", ".join(f"{o} {n}" for o, n in collections.Counter(loop).most_common(8))
-                print(f"  loop {int(target.group(1), 16):#07x}: {len(loop)} instructions, "
-                      f"{len(loop) / per_thread:.1f} per element ({top})")
+    print(f"{args.dtype} {args.rows} rows, triton {triton.__version__}: {len(instrs)} instructions; {registers(kernel)}")
+    for start, loop in loops(instrs):
+        if len(loop) > 100:
+            top = ", ".join(f"{o} {n}" for o, n in collections.Counter(loop).most_common(8))
+            print(f"  loop {start:#07x}: {len(loop)} instructions, {len(loop) / per_thread:.1f} per element ({top})")
 
 
 if __name__ == "__main__":

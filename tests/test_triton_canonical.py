@@ -147,6 +147,22 @@ def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, merge
                 run(DistributedGRPOLossOp(kernels="torch"), inp, c), c, f"W={width} chunk={chunk} V={V}")
 
 
+@pytest.mark.parametrize("merge_tiles", [8, 256])
+def test_merges_in_blocks_give_the_reference_bits(monkeypatch, merge_tiles):
+    """`merge_lse` over rows of 37 tile statistics in blocks of 8 (five, the last one padded, then a tree over 8
+    blocks) or of the whole row: `canonical.merge_stats`, then `canonical.lse`; tiles of -inf alone, a masked row."""
+    monkeypatch.setattr(kernels, "MERGE_TILES", merge_tiles)
+    N, tiles = 6, 37
+    g = torch.Generator().manual_seed(3)
+    m, s = torch.randn(2, N, tiles, generator=g) * 4, torch.rand(2, N, tiles, generator=g) * 50 + 1.0
+    m[:, 1, 5:9], s[:, 1, 5:9] = float("-inf"), 0.0
+    mask = torch.arange(N) != 4
+    assert kernels.merge_blocks(N, tiles)[1:] == ((8, 8) if merge_tiles == 8 else (64, 1))
+    lse = kernels.merge_lse(torch.stack([m, s], 1).to(DEV), mask.to(DEV)).cpu()
+    assert_bitwise_equal(lse, torch.where(mask, canonical.lse(*canonical.merge_stats(m, s)), 0.0),
+                         f"blocks of {merge_tiles}")
+
+
 @pytest.mark.parametrize("dtype, ref_dtype, entropy", [(torch.bfloat16, torch.bfloat16, False),
                                                        (torch.bfloat16, torch.bfloat16, True),
                                                        (torch.bfloat16, torch.float16, False),

@@ -51,6 +51,12 @@ CHUNK = 4096  # vocabulary columns per loop iteration of the row kernel
 ROW_WARPS = 4
 TAIL_CHUNK = 1024  # columns per masked chunk after a row's whole chunks (one bf16 vector per thread of ROW_WARPS)
 MERGE_BLOCK = 8192  # tile statistics per loop iteration of the merge kernel (rows x tiles)
+# A row's tiles per loop iteration of the merge kernel, at most: a row's last block is padded to a power of two with
+# identity leaves, whose merges are issued like the others. Warp instructions per row of the sm_90 code
+# (`benchmarks/sass_row_kernel.py --merge`), blocks of the whole row against blocks of 256: 3496 against 1732 at
+# 1187 tiles (V = 151936), 1644 against 1405 at 1024, 750 against 725 at 393.
+MERGE_TILES = 256
+MERGE_CHUNKS = 64  # loop iterations of the merge kernel, at most (its per-row accumulators hold one entry each)
 GRAD_BLOCK = 4096  # columns per loop iteration of the gradient kernel
 BLOCK_T = 1024  # tokens per loop iteration of the sequence kernel
 BLOCK_S = 1024  # sequences per loop iteration of the finish kernel
@@ -981,6 +987,13 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
     return sel, stats
 
 
+def merge_blocks(N: int, tiles: int) -> tuple[int, int, int]:
+    """The merge kernel's `(ROWS, BT, CHUNKS)` for `N` rows of `tiles` statistics."""
+    bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)),
+             max(MERGE_TILES, triton.next_power_of_2(-(-tiles // MERGE_CHUNKS))))
+    return min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1))), bt, triton.next_power_of_2(-(-tiles // bt))
+
+
 def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False, selected: torch.Tensor | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """lse `[K, N]` (0.0 on masked rows) from the per-tile statistics `[K, 2, N, tiles]` (global tile order) of K
@@ -994,9 +1007,7 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False, se
                          f"{list(selected.shape)} (contiguous: {selected.is_contiguous()})")
     lse = torch.empty(K, N, dtype=torch.float32, device=stats.device)
     ent = torch.empty(N, dtype=torch.float32, device=stats.device) if entropy else lse  # (lse: not written)
-    bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)))
-    rows = min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1)))
-    chunks = triton.next_power_of_2(-(-tiles // bt))
+    rows, bt, chunks = merge_blocks(N, tiles)
     if N and K:
         _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, ent,
                                                  lse if selected is None else selected, N, tiles, N * tiles,
