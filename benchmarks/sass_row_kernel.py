@@ -118,7 +118,8 @@ def main() -> None:
     kernel = compile_row_kernel(args.dtype, args.rows, args.entropy)
     instrs = disassemble(kernel)
     per_thread = K.CHUNK // (32 * K.ROW_WARPS)  # elements a thread holds of a chunk
-    print(f"{args.dtype} {args.rows} rows, triton {triton.__version__}: {len(instrs)} instructions; {registers(kernel)}")
+    print(f"{args.dtype} {args.rows} rows, triton {triton.__version__}: {len(instrs)} instructions; "
+          f"{registers(kernel)}")
     for start, loop in loops(instrs):
         if len(loop) > 100:
             top = ", ".join(f"{o} {n}" for o, n in collections.Counter(loop).most_common(8))
