@@ -56,7 +56,7 @@ MERGE_BLOCK = 8192  # tile statistics per loop iteration of the merge kernel (ro
 # (`benchmarks/sass_row_kernel.py --merge`), blocks of the whole row against blocks of 256: 3496 against 1732 at
 # 1187 tiles (V = 151936), 1644 against 1405 at 1024, 750 against 725 at 393.
 MERGE_TILES = 256
-MERGE_CHUNKS = 64  # loop iterations of the merge kernel, at most (its per-row accumulators hold one entry each)
+MERGE_CHUNKS = 64  # a row's blocks, at most, up to blocks of MERGE_BLOCK (a block holds an entry of each accumulator)
 GRAD_BLOCK = 4096  # columns per loop iteration of the gradient kernel
 BLOCK_T = 1024  # tokens per loop iteration of the sequence kernel
 BLOCK_S = 1024  # sequences per loop iteration of the finish kernel
