@@ -61,7 +61,8 @@ def compile_merge_kernel(rows: int, bt: int, chunks: int):
     fn = K._merge_kernel
     names = list(fn.arg_names)
     pointers = ["stats_ptr", "mask_ptr", "lse_ptr", "ent_ptr", "sel_ptr"]
-    signature = {**{n: "*fp32" for n in pointers}, "mask_ptr": "*i1", "N": "i32", "tiles": "i32", "plane": "i32"}
+    signature = dict(stats_ptr="*fp32", mask_ptr="*i1", lse_ptr="*fp32", ent_ptr="*fp32", sel_ptr="*fp32", N="i32",
+                     tiles="i32", plane="i32")
     constexprs = dict(ROWS=rows, BT=bt, LOG2BT=K._log2(bt), CHUNKS=chunks, LOG2C=K._log2(chunks), ENTROPY=False,
                       LOGP=True)
     src = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr") for n in names},

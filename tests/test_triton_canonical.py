@@ -150,17 +150,31 @@ def test_many_chunks_tiles_and_odd_vocabularies(monkeypatch, width, chunk, merge
 @pytest.mark.parametrize("merge_tiles", [8, 256])
 def test_merges_in_blocks_give_the_reference_bits(monkeypatch, merge_tiles):
     """`merge_lse` over rows of 37 tile statistics in blocks of 8 (five, the last one padded, then a tree over 8
-    blocks) or of the whole row: `canonical.merge_stats`, then `canonical.lse`; tiles of -inf alone, a masked row."""
+    blocks, three never loaded) or of the whole row: `canonical.merge_stats`, then `canonical.lse`, the first
+    tensor's entropies (`entropy_of`) and the log-probs; tiles of -inf alone across a block's edge, a masked row.
+    Every tile count's blocks cover its power of two exactly (the same tree)."""
     monkeypatch.setattr(kernels, "MERGE_TILES", merge_tiles)
+    for tiles in range(1, 1 << 15):
+        _, bt, chunks = kernels.merge_blocks(3, tiles)
+        assert bt * chunks == triton.next_power_of_2(tiles) and bt <= kernels.MERGE_BLOCK, tiles
     N, tiles = 6, 37
     g = torch.Generator().manual_seed(3)
     m, s = torch.randn(2, N, tiles, generator=g) * 4, torch.rand(2, N, tiles, generator=g) * 50 + 1.0
-    m[:, 1, 5:9], s[:, 1, 5:9] = float("-inf"), 0.0
+    u = -torch.rand(2, N, tiles, generator=g) * s
+    m[:, 1, 5:9], s[:, 1, 5:9], u[:, 1, 5:9] = float("-inf"), 0.0, 0.0
+    u[1] = 0.0  # the second tensor's third plane is not read
+    sel = torch.randn(2, N, generator=g)
     mask = torch.arange(N) != 4
     assert kernels.merge_blocks(N, tiles)[1:] == ((8, 8) if merge_tiles == 8 else (64, 1))
-    lse = kernels.merge_lse(torch.stack([m, s], 1).to(DEV), mask.to(DEV)).cpu()
-    assert_bitwise_equal(lse, torch.where(mask, canonical.lse(*canonical.merge_stats(m, s)), 0.0),
-                         f"blocks of {merge_tiles}")
+    logp = sel.to(DEV, copy=True)  # replaced in place
+    lse, ent = kernels.merge_lse(torch.stack([m, s, u], 1).to(DEV), mask.to(DEV), True, logp)
+    M, S, U = canonical.merge_stats(m, s, u)
+    want = torch.where(mask, canonical.lse(M, S), 0.0)
+    label = f"blocks of {merge_tiles}"
+    assert_bitwise_equal(lse.cpu(), want, f"{label}: lse")
+    assert_bitwise_equal(ent.cpu(), torch.where(mask, canonical.entropy_of(M[0], S[0], U[0]), 0.0),
+                         f"{label}: entropy")
+    assert_bitwise_equal(logp.cpu(), torch.where(mask, sel - want, 0.0), f"{label}: log-probs")
 
 
 @pytest.mark.parametrize("dtype, ref_dtype, entropy", [(torch.bfloat16, torch.bfloat16, False),

@@ -43,20 +43,20 @@ from .launch import SURROGATES, finish_options, pick, twins
 # Settings from one H200 sweep (benchmarks/README.md, 2026-11-30), bf16 32x256x32768 / 16x1024x151936: the row kernel
 # with (4096 columns, 4 warps) took 0.554 / 5.05 ms against 0.574 / 5.13 with (2048, 2) and 0.569 / 5.14 with (8192, 8);
 # the merge kernel with blocks of 8192 statistics 0.049 / 0.203 ms, 16384 0.027 / 0.240, 4096 0.029 / 0.354 (and 1.43 ms
-# against 0.064 at 32x256x131072). With the FMA exp (policy and reference rows, 8192x32768 / 8192x131072 /
-# 16384x151936), `SUM_PAIRS` took 0.620 / 2.507 / 5.854 ms on fp32 rows against 0.664 / 2.646 / 6.146 without, but
-# 0.478 / 1.890 / 4.410 against 0.467 / 1.845 / 4.346 on bf16 rows, and 2.50 against 1.97 ms on fp32 rows of 50257
-# (rows not on 16-byte boundaries).
+# against 0.064 at 32x256x131072), each row in one block then (before MERGE_TILES). With the FMA exp (policy and
+# reference rows, 8192x32768 / 8192x131072 / 16384x151936), `SUM_PAIRS` took 0.620 / 2.507 / 5.854 ms on fp32 rows
+# against 0.664 / 2.646 / 6.146 without, but 0.478 / 1.890 / 4.410 against 0.467 / 1.845 / 4.346 on bf16 rows, and
+# 2.50 against 1.97 ms on fp32 rows of 50257 (rows not on 16-byte boundaries).
 CHUNK = 4096  # vocabulary columns per loop iteration of the row kernel
 ROW_WARPS = 4
 TAIL_CHUNK = 1024  # columns per masked chunk after a row's whole chunks (one bf16 vector per thread of ROW_WARPS)
 MERGE_BLOCK = 8192  # tile statistics per loop iteration of the merge kernel (rows x tiles)
-# A row's tiles per loop iteration of the merge kernel, at most: a row's last block is padded to a power of two with
-# identity leaves, whose merges are issued like the others. Warp instructions per row of the sm_90 code
-# (`benchmarks/sass_row_kernel.py --merge`), blocks of the whole row against blocks of 256: 3496 against 1732 at
-# 1187 tiles (V = 151936), 1644 against 1405 at 1024, 750 against 725 at 393.
+# A row's tiles per loop iteration of the merge kernel, at most (`merge_blocks`): a row in one block is padded to a
+# power of two, whose padding merges are issued like the others. Warp instructions per row of the sm_90 code
+# (`benchmarks/sass_row_kernel.py --merge`), one block against blocks of 256: 3496 against 1732 at 1187 tiles
+# (V = 151936), 1644 against 1405 at 1024, 750 against 725 at 393.
 MERGE_TILES = 256
-MERGE_CHUNKS = 64  # a row's blocks, at most, up to blocks of MERGE_BLOCK (a block holds an entry of each accumulator)
+MERGE_CHUNKS = 64  # a row's blocks, at most, while blocks of MERGE_BLOCK hold it (the kernel's [ROWS, CHUNKS] sums)
 GRAD_BLOCK = 4096  # columns per loop iteration of the gradient kernel
 BLOCK_T = 1024  # tokens per loop iteration of the sequence kernel
 BLOCK_S = 1024  # sequences per loop iteration of the finish kernel
@@ -988,7 +988,9 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
 
 
 def merge_blocks(N: int, tiles: int) -> tuple[int, int, int]:
-    """The merge kernel's `(ROWS, BT, CHUNKS)` for `N` rows of `tiles` statistics."""
+    """The merge kernel's `(ROWS, BT, CHUNKS)` for `N` rows of `tiles` statistics: blocks of BT tiles, a power of two
+    up to MERGE_TILES (more where a row would take over MERGE_CHUNKS blocks). `BT * CHUNKS` is the row's tiles padded
+    to a power of two, so the kernel's tree, BT's then CHUNKS', is `canonical.merge_stats`'s node for node."""
     bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)),
              max(MERGE_TILES, triton.next_power_of_2(-(-tiles // MERGE_CHUNKS))))
     return min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1))), bt, triton.next_power_of_2(-(-tiles // bt))
