@@ -38,6 +38,15 @@ from grpo_core.triton import canonical as K  # noqa: E402
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
 
 
+def compile_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int):
+    """`fn` compiled for sm_90: `signature`'s argument types, the rest constexprs, `divisible` marked 16-divisible."""
+    names = list(fn.arg_names)
+    src = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, enable_fp_fusion=False))
+
+
 def compile_row_kernel(dtype: str, rows: str, entropy: bool):
     vec = 16 // (2 if dtype in ("bf16", "fp16") else 4)
     shifts = {"aligned": 1, "shifted": vec, "plain": 0}[rows]
@@ -48,28 +57,16 @@ def compile_row_kernel(dtype: str, rows: str, entropy: bool):
                       ENTROPY=entropy, VEC_X=vec, VEC_R=vec, SHIFTS_X=shifts, SHIFTS_R=shifts, SHARED=not entropy)
     divisible = ["ids_ptr", "mask_ptr", "sel_ptr", "stats_ptr"] + (["x_ptr", "r_ptr"] if rows != "plain" else [])
     divisible += ["V", "stride_x", "stride_r"] if rows == "aligned" else []
-    fn = K._ROW[0]
-    names = list(fn.arg_names)
-    src = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr") for n in names},
-                    constexprs={(names.index(n),): v for n, v in constexprs.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=K.ROW_WARPS, enable_fp_fusion=False))
+    return compile_sm90(K._ROW[0], signature, constexprs, divisible, K.ROW_WARPS)
 
 
 def compile_merge_kernel(rows: int, bt: int, chunks: int):
-    fn = K._merge_kernel
-    names = list(fn.arg_names)
-    pointers = ["stats_ptr", "mask_ptr", "lse_ptr", "ent_ptr", "sel_ptr"]
     signature = dict(stats_ptr="*fp32", mask_ptr="*i1", lse_ptr="*fp32", ent_ptr="*fp32", sel_ptr="*fp32", N="i32",
                      tiles="i32", plane="i32")
     constexprs = dict(ROWS=rows, BT=bt, LOG2BT=K._log2(bt), CHUNKS=chunks, LOG2C=K._log2(chunks), ENTROPY=False,
                       LOGP=True)
-    src = ASTSource(fn=fn, signature={n: signature.get(n, "constexpr") for n in names},
-                    constexprs={(names.index(n),): v for n, v in constexprs.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.NUM_WARPS,
-                                                                               enable_fp_fusion=False))
+    return compile_sm90(K._merge_kernel, signature, constexprs, [n for n in signature if n.endswith("_ptr")],
+                        K.NUM_WARPS)
 
 
 def cuobjdump(kernel, flag: str) -> str:
