@@ -295,7 +295,7 @@ def cmd_diff(args) -> int:
     a, _ = load_run("RUN_A", args.a)
     b, _ = load_run("RUN_B", args.b)
     print(f"A = {args.a}\nB = {args.b}")
-    a, b, where = _shared_layouts(a, b)
+    a, b, shared = _shared_layouts(a, b)
     diffs, contracts = compare(a, b, ("A", "B")), contract_differences(a, b)
     cells = summarize(cells_of(a, b), diffs)
     other = cells.set_index(["scenario", "topology"]).index.isin(contracts.set_index(["scenario", "topology"]).index)
@@ -305,7 +305,8 @@ def cmd_diff(args) -> int:
     print(cells.to_string(index=False))
     if diffs.empty and contracts.empty:
         print(f"identical: {plural(len(cells), 'cell')} ({plural(cells['scenario'].nunique(), 'scenario')} x "
-              f"{plural(cells['topology'].nunique(), 'layout')}{where}), {plural(len(a), 'row')} compared bitwise")
+              f"{plural(cells['topology'].nunique(), 'layout')}{' both runs hold' * shared}), {plural(len(a), 'row')} "
+              f"compared bitwise")
         return 0
     for c in contracts.itertuples(index=False):
         print(f"  {c.scenario} {c.topology}: contract fingerprint A {c.a} vs B {c.b}")
@@ -314,23 +315,24 @@ def cmd_diff(args) -> int:
     unlike = (f"; the contracts differ in {plural(len(contracts), 'cell')} (different contracts are not the same "
               f"experiment)" if len(contracts) else "")
     print(f"FAILED: {plural(moved, 'value')} moved and {plural(gone, 'row')} missing on one side, in "
-          f"{plural(int((cells['status'] != 'identical').sum()), 'cell')}{where}{unlike}")
+          f"{plural(int((cells['status'] != 'identical').sum()), 'cell')}{' of the layouts both runs hold' * shared}"
+          f"{unlike}")
     return 1
 
 
-def _shared_layouts(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+def _shared_layouts(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, bool]:
     """Runs of different worlds (world 4 against world 2) are compared on the layouts both hold, and say so."""
-    only_a, only_b = (sorted(set(x["topology"]) - set(y["topology"])) for x, y in ((a, b), (b, a)))
+    only_a, only_b = ([t for t in x["topology"].unique() if t not in set(y["topology"])] for x, y in ((a, b), (b, a)))
     if not only_a and not only_b:
-        return a, b, ""
+        return a, b, False
     shared = [t for t in a["topology"].unique() if t in set(b["topology"])]
     print(f"The runs hold different layouts (only A: {', '.join(only_a) or 'none'}; only B: "
           f"{', '.join(only_b) or 'none'}): " + (f"comparing the {plural(len(shared), 'layout')} both hold, "
                                                  f"{', '.join(shared)}" if shared else "they share none"))
     if not shared:  # nothing to compare: every row is missing on one side
-        return a, b, ""
+        return a, b, False
     keep = lambda run: run[run["topology"].isin(shared)]  # noqa: E731
-    return keep(a), keep(b), f" on the {plural(len(shared), 'layout')} both runs hold"
+    return keep(a), keep(b), True
 
 
 def cmd_goldens(args) -> int:

@@ -52,10 +52,14 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+HERE = str(Path(__file__).resolve())
 MISTAKES = [(["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+            (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+            (["--bogus"], "unrecognized arguments: --bogus"),
             (["--device", "tpu"], "--device: expected cpu or cuda[:index], got tpu"),
-            (["--plot", "no/such/folder/reward.png"], "--plot: expected a file in an existing folder, got "
-                                                      "no/such/folder/reward.png")]
+            (["--plot", f"{HERE}/reward.png"], f"--plot: expected a file in a folder that exists or can be made, got "
+                                               f"{HERE}/reward.png (cannot make {HERE}: "),
+            (["--plot", str(Path(HERE).parent)], f"--plot: expected a file, got {Path(HERE).parent}, which is a folder")]
 if not HAS_CUDA:
     MISTAKES += [(["--device", "cuda"], "--device: expected cpu (torch "),
                  (["--backend", "triton"], "--backend: expected native or nothing with --device cpu")]
@@ -66,7 +70,20 @@ def test_script_mistakes_are_one_line_before_anything_runs(monkeypatch, capsys, 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a user's shell: the Triton kernels need CUDA
     code, out, err = run_main(monkeypatch, capsys, *argv)
     assert code == 2 and out == "" and "Traceback" not in err
-    assert err.splitlines()[-1].startswith(f"grpo_toy.py: error: {words}"), err
+    assert len(err.splitlines()) == 1 and err.startswith(f"grpo_toy.py: error: {words}"), err
+
+
+def test_script_help_names_the_interpreter_of_the_readme():
+    import grpo_toy
+    examples = [line.split()[0] for line in grpo_toy.__doc__.splitlines() if "examples/grpo_toy.py" in line]
+    assert examples and set(examples) <= {".nox/determinism/bin/python", "python"}
+    assert examples.count(".nox/determinism/bin/python") >= 2  # the CPU commands: the interpreter nox makes
+
+
+def test_plot_makes_its_folder(monkeypatch, capsys, tmp_path):
+    """`--plot runs/toy/reward.png` (the README's) works before anything made runs/."""
+    code, out, err = run_main(monkeypatch, capsys, "--steps", "2", "--plot", str(tmp_path / "runs" / "toy" / "r.png"))
+    assert code == 0 and (tmp_path / "runs" / "toy" / "r.png").stat().st_size > 0, err
 
 
 @pytest.mark.parametrize("steps,window", [(1, "first step"), (5, "first 2 steps"), (30, "first 10 steps")])

@@ -154,18 +154,18 @@ def test_diff_of_runs_of_different_worlds_compares_the_layouts_both_hold(runs, t
         assert proc.returncode == 0, proc.stdout
         assert (f"The runs hold different layouts ({only}): comparing the 1 layout both hold, tp1xdp1"
                 in proc.stdout.splitlines())
-        assert proc.stdout.splitlines()[-1] == (f"identical: 2 cells (2 scenarios x 1 layout on the 1 layout both "
-                                                f"runs hold), {len(single)} rows compared bitwise")
-        assert "missing" not in proc.stdout
+        assert proc.stdout.splitlines()[-1] == (f"identical: 2 cells (2 scenarios x 1 layout both runs hold), "
+                                                f"{len(single)} rows compared bitwise")
+        assert "missing in the" not in proc.stdout and "missing on one side" not in proc.stdout
     moved = single.copy()
-    row = (moved["field"] == "per_sequence_kl") & (moved["index"] == 0)
+    row = (moved["scenario"] == "identity") & (moved["field"] == "per_sequence_kl") & (moved["index"] == 0)
     moved.loc[row, "bits"] += 1
     moved.loc[row, "value"] = float(torch.tensor(int(moved.loc[row, "bits"].iloc[0]), dtype=torch.int32).view(
         torch.float32))
     write_table(moved.to_dict("records"), tmp_path / "moved" / "run.parquet", meta)
     proc = cli(capsys, "harness", "diff", str(runs["clean"]), str(tmp_path / "moved"))
     assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == (
-        "FAILED: 1 value moved and 0 rows missing on one side, in 1 cell on the 1 layout both runs hold")
+        "FAILED: 1 value moved and 0 rows missing on one side, in 1 cell of the layouts both runs hold")
 
 
 # --- one line and exit code 2 for a user mistake ---------------------------------------------------------------------
@@ -578,14 +578,25 @@ def test_report_figures_have_titles_and_integer_counts():
     moved = pd.DataFrame({"ulp": [1.0, 3.0]})  # two values: a count axis of 0..1 would get ticks 0.2, 0.4, ...
     cells = pd.DataFrame({"scenario": ["a", "b"], "sequences_moved": [1, 0]})
     study = pd.DataFrame({"seed": [0, 1, 2], "sequence_values_moved": [3, 0, 1], "loss_moved": [False, False, True]})
-    for fig, counts in ((ulp_histogram(moved), "y"), (moved_by_scenario(cells), "x"), (study_figure(study), "y")):
+    for fig, counts in ((ulp_histogram(moved), "y"), (moved_by_scenario(cells), "x"), (study_figure(study, 8), "y")):
         ax = fig.axes[0]
         fig.canvas.draw()
         assert ax.get_title(), fig
         assert _integer_ticks(ax.yaxis if counts == "y" else ax.xaxis), (ax.get_title(), counts)
-    bars = study_figure(study).axes[0].containers
+    fig = study_figure(study, 8)
+    bars = fig.axes[0].containers
     assert len(bars) == 2 and [len(b) for b in bars] == [3, 3]  # per seed: vector moved next to scalar moved
     assert [b.get_height() for b in bars[0]] == [3, 0, 1] and [b.get_height() for b in bars[1]] == [0, 0, 1]
+    # The legend says a sequence counts twice, and covers no bar (it had hidden the last seeds' bars: 12 seeds, each
+    # with every value moved).
+    full = pd.DataFrame({"seed": range(12), "sequence_values_moved": [16] * 12, "loss_moved": [True] * 12})
+    fig = study_figure(full, 8)
+    legend = fig.axes[0].get_legend()
+    assert "policy and KL of 8 sequences: at most 16" in legend.get_texts()[0].get_text()
+    fig.tight_layout()
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(bar.get_window_extent()) for c in fig.axes[0].containers for bar in c)
 
 
 def test_regroup_study_draws_vector_versus_scalar_per_seed(tmp_path):
