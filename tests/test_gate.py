@@ -672,3 +672,26 @@ def test_triton_kernels_on_the_cpu_need_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
     assert "kernels: 'triton' needs CUDA tensors" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- the nox sessions' arguments ---------------------------------------------------------------------------------------
+
+NOX_MISTAKES = [(["-s", "determinism", "--", "--bogus"],
+                 "python -m harness run: error: unrecognized arguments: --bogus (see --help)"),
+                (["-s", "report", "--", "drift", "onlyone"],
+                 "python -m reports drift: error: the following arguments are required: RUN_B, --out (see --help)"),
+                (["-s", "goldens", "--", "--out", "x"],
+                 "python -m harness goldens: error: unrecognized arguments: --out x (see --help)"),
+                (["--", "--max-world", "0"],  # the default sessions: determinism takes the arguments too
+                 "python -m harness run: error: argument --max-world: expected an integer from 1 to 64 (the harness "
+                 "spawns one process per rank on this host), got 0 (see --help)")]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nox") is None, reason="nox is not installed")
+@pytest.mark.parametrize("argv,line", NOX_MISTAKES, ids=[" ".join(m[0]) for m in NOX_MISTAKES])
+def test_nox_refuses_bad_arguments_in_one_line_with_exit_2_before_any_virtualenv(tmp_path, argv, line):
+    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "--envdir",
+                           str(tmp_path / "env"), *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == line and proc.stdout == ""
+    assert not (tmp_path / "env").exists()  # nox made no virtualenv
