@@ -61,13 +61,14 @@ def reward(completions, **kwargs) -> list[float]:
 def train(steps: int, folder: Path) -> list[dict]:
     """Trains `steps` optimizer steps; returns TRL's logged records (loss, kl, reward, ...), one per step."""
     torch.manual_seed(0)
-    model = tiny_model(folder / "model")
+    model = tiny_model(folder / "model")  # a model name or folder, as trl.GRPOTrainer takes
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
     dataset = Dataset.from_dict({"prompt": ["abc", "hag", "bead", "cafe", "dh", "g e"]})
     config = GRPOConfig(output_dir=str(folder / "out"), max_steps=steps, per_device_train_batch_size=4,
                         num_generations=4, max_completion_length=8, beta=0.04, learning_rate=1e-2, logging_steps=1,
                         use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
     trainer = GRPOCoreTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                              processing_class=PreTrainedTokenizerFast.from_pretrained(model))
+                              processing_class=tokenizer)
     trainer.remove_callback(PrinterCallback)  # main() prints one line a step
     trainer.train()
     return [record for record in trainer.state.log_history if "loss" in record]

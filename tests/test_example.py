@@ -90,3 +90,33 @@ def test_plot_makes_its_folder(monkeypatch, capsys, tmp_path):
 def test_script_names_the_steps_it_averaged(monkeypatch, capsys, steps, window):
     code, out, _ = run_main(monkeypatch, capsys, "--steps", str(steps))
     assert code == 0 and out.startswith(f"mean reward: {window} ") and f", last {window[6:]} " in out, out
+
+
+def test_trl_quickstart_trains_with_grpo_cores_loss_and_prints_each_step():
+    """The README's TRL script as a user runs it: TRL's trainer with our loss on a tiny Llama, one line a step, the KL
+    moving once the policy has; an interpreter without TRL gets one line and exit code 2."""
+    pytest.importorskip("trl")
+    import re
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "examples" / "trl_quickstart.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    steps = [re.fullmatch(r"step (\d): loss (-?\d+\.\d{4}), kl (\d+\.\d{4}), reward (\d\.\d{3})", line) for line in lines]
+    assert all(steps) and [int(m.group(1)) for m in steps] == [1, 2], lines
+    assert float(steps[0].group(3)) == 0.0 < float(steps[1].group(3))  # step 1: the reference is the policy
+    proc = subprocess.run([sys.executable, str(script), "--steps", "0"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "trl_quickstart.py: error: --steps: expected an integer >= 1, got 0 (see --help)")
+
+
+def test_trl_quickstart_uses_grpo_cores_loss(monkeypatch, tmp_path):
+    """Its trainer computes the loss with `linear_grpo_loss` (a trainer that kept TRL's own loss would not call it)."""
+    pytest.importorskip("trl")
+    import grpo_core.integrations.trl as integration
+    from trl_quickstart import train
+    calls = []
+    real = integration.linear_grpo_loss
+    monkeypatch.setattr(integration, "linear_grpo_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert len(train(1, tmp_path)) == 1 and calls
