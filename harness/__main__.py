@@ -221,8 +221,8 @@ def cmd_run(args) -> int:
                      f"{inside[0]}" if inside else f"none; {commands[folder]}")
             raise UsageError(f"--golden-dir: expected a folder holding a golden set (MANIFEST.json and its .parquet "
                              f"files), got {golden_dir}, which holds {holds}")
-        if got is not None:
-            _check_kind(folder, golden_dir)  # a per-architecture set not recorded yet: its scenarios have no golden (below)
+        if got is not None:  # a per-architecture set not recorded yet: its scenarios have no golden (below)
+            _check_kind(folder, golden_dir)
             parts.append(got[0][got[0]["scenario"].isin(served)])
             recorded.update({k: v for k, v in got[1].items() if k in served})
     run_dir = _run_dir(args, golden_dir)

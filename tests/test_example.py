@@ -59,7 +59,8 @@ MISTAKES = [(["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
             (["--device", "tpu"], "--device: expected cpu or cuda[:index], got tpu"),
             (["--plot", f"{HERE}/reward.png"], f"--plot: expected a file in a folder that exists or can be made, got "
                                                f"{HERE}/reward.png (cannot make {HERE}: "),
-            (["--plot", str(Path(HERE).parent)], f"--plot: expected a file, got {Path(HERE).parent}, which is a folder")]
+            (["--plot", str(Path(HERE).parent)],
+             f"--plot: expected a file, got {Path(HERE).parent}, which is a folder")]
 if not HAS_CUDA:
     MISTAKES += [(["--device", "cuda"], "--device: expected cpu (torch "),
                  (["--backend", "triton"], "--backend: expected native or nothing with --device cpu")]
@@ -103,7 +104,8 @@ def test_trl_quickstart_trains_with_grpo_cores_loss_and_prints_each_step():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 2, proc.stdout
-    steps = [re.fullmatch(r"step (\d): loss (-?\d+\.\d{4}), kl (\d+\.\d{4}), reward (\d\.\d{3})", line) for line in lines]
+    line = re.compile(r"step (\d): loss (-?\d+\.\d{4}), kl (\d+\.\d{4}), reward (\d\.\d{3})")
+    steps = [line.fullmatch(text) for text in lines]
     assert all(steps) and [int(m.group(1)) for m in steps] == [1, 2], lines
     assert float(steps[0].group(3)) == 0.0 < float(steps[1].group(3))  # step 1: the reference is the policy
     proc = subprocess.run([sys.executable, str(script), "--steps", "0"], capture_output=True, text=True, timeout=600)

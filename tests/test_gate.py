@@ -674,7 +674,7 @@ def test_triton_kernels_on_the_cpu_need_the_interpreter():
     assert "kernels: 'triton' needs CUDA tensors" in proc.stdout, proc.stdout + proc.stderr
 
 
-# --- the nox sessions' arguments ---------------------------------------------------------------------------------------
+# --- the nox sessions' arguments --------------------------------------------------------------------------------------
 
 NOX_MISTAKES = [(["-s", "determinism", "--", "--bogus"],
                  "python -m harness run: error: unrecognized arguments: --bogus (see --help)"),

@@ -103,7 +103,8 @@ def test_the_quick_starts_counts_are_the_codes():
     stated = int(re.search(r"runs\s+the suite's (\d+) tests", quick).group(1))
     missing = [m for m in ("trl", "triton", "hypothesis", "xdist") if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"the README counts the suite of `nox -s tests` (the [dev] extras); this interpreter lacks {missing}")
+        pytest.skip(f"the README counts the suite of `nox -s tests` (the [dev] extras); this interpreter lacks "
+                    f"{missing}")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU suite's count, on any machine
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
@@ -117,7 +118,8 @@ def test_the_trl_section_shows_the_scripts_trainer_and_its_interpreter():
     """The TRL snippet is lines of `examples/trl_quickstart.py` (tests/test_example.py runs it), in their order, and
     the command runs it with the interpreter of the nox session that installs TRL."""
     trl = section(README, "### With TRL's trainer")
-    script = [line.split("  # ")[0].strip() for line in (ROOT / "examples" / "trl_quickstart.py").read_text().splitlines()]
+    script = [line.split("  # ")[0].strip()  # a line's comment aside
+              for line in (ROOT / "examples" / "trl_quickstart.py").read_text().splitlines()]
     (block,) = re.findall(r"```py\n(.*?)```", trl, re.S)
     at = 0
     for line in filter(None, (line.strip() for line in block.splitlines())):
@@ -125,7 +127,8 @@ def test_the_trl_section_shows_the_scripts_trainer_and_its_interpreter():
         at = script.index(line, at) + 1
     assert ".nox/tests/bin/python examples/trl_quickstart.py" in trl
     noxfile = (ROOT / "noxfile.py").read_text()
-    assert '_install(session, "dev")' in section(noxfile.replace("@nox.session\ndef tests", "## tests"), "## tests")
+    tests_session = re.search(r"^def tests\(.*?(?=^@nox|\Z)", noxfile, re.S | re.M).group(0)
+    assert '_install(session, "dev")' in tests_session
     assert re.search(r'^dev = \["grpo-core\[[^]]*\btrl\b', (ROOT / "pyproject.toml").read_text(), re.M)
 
 
