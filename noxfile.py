@@ -3,7 +3,8 @@
 Each session keeps its virtualenv under `.nox/` between calls and installs into it only when it is new or when
 `pyproject.toml` or `constraints-cpu.txt` changed since (a stamp in the virtualenv records what was installed), so
 after the first call a session starts in seconds. `-R` still works; `nox --no-venv` (a machine that already has
-torch, e.g. the GPU image) installs nothing. The harness and report arguments are checked before any install.
+torch, e.g. the GPU image) installs nothing. The harness and report arguments are checked before nox makes a
+virtualenv: a mistake is one line and exit code 2.
 """
 
 from __future__ import annotations

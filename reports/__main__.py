@@ -1,4 +1,4 @@
-"""`python -m reports drift A B --out DIR` | `python -m reports study --seeds 12 --out DIR`."""
+"""`python -m reports drift RUN_A RUN_B --out DIR` | `python -m reports study --seeds 12 --out DIR`."""
 
 from __future__ import annotations
 
