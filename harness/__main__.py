@@ -1,6 +1,6 @@
 """`python -m harness COMMAND`: the determinism gate without nox. Exit codes: 0 when everything compared is
-identical, 1 on any drift, missing row or golden mismatch, 2 on a mistake in the command line (one line, before
-anything runs).
+identical, 1 on any drift, missing row, golden mismatch or a world that did not finish, 2 on a mistake in the command
+line (one line, before anything runs).
 
 There is one golden set for every platform: the canonical math gives the same bits on every machine and on the
 CPU and the GPU, so a golden recorded anywhere must hold everywhere. The one exception: the fused linear scenarios
