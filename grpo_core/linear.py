@@ -49,12 +49,12 @@ import torch
 import torch.distributed as dist
 
 from . import canonical
-from .checks import (check_derived_advantages, check_inputs, check_loss, check_option_inputs, check_tensor,
-                     stand_in)
+from .checks import (check_derived_advantages, check_inputs, check_logprobs, check_loss, check_option_inputs,
+                     check_tensor, stand_in)
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LogprobContract,
                        LossContractError, Surrogate, check_temperature, inverse_temperature)
-from .distributed.grpo_loss import gather_sequences, gathered_entropy_keep
-from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
+from .distributed.grpo_loss import gather_sequences, gathered_entropy_keep, replicated_inputs
+from .distributed.preflight import bits_digest, check_logprobs_everywhere, preflight
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
 from .result import GRPOLossResult, entropy_fields, provenance
 
@@ -323,6 +323,8 @@ def _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_b
     H = hidden.shape[2]
     if hidden.dtype not in _FLOAT_DTYPES:
         raise LossContractError(f"hidden: expected dtype float32, float16 or bfloat16, got {hidden.dtype}")
+    if H == 0:
+        raise LossContractError(f"hidden: expected a hidden size H >= 1, got shape {list(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] < 1:
         raise LossContractError(f"weight: expected [V, H] with H = {H} like hidden's last dim, got "
                                 f"{list(weight.shape)}")
@@ -362,7 +364,7 @@ def _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_b
     for name, t, like, like_name in pairs:
         if t.device != hidden.device:
             raise LossContractError(f"{name}: expected device {hidden.device} like hidden, got {t.device}")
-        if t.is_floating_point() and name != "ref_logps" and t.dtype != like.dtype:
+        if name != "ref_logps" and t.dtype != like.dtype:
             raise LossContractError(f"{name}: expected dtype {like.dtype} like {like_name} (one matmul dtype), got "
                                     f"{t.dtype}")
 
@@ -409,7 +411,7 @@ class LinearGRPOLossOp:
                    "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask, "ref_logps": ref_logps, "ref_hidden": ref_hidden,
                    "ref_weight": ref_weight, "ref_bias": ref_bias}
-        chosen: list = []
+        chosen: dict[str, Any] = {}
 
         def local_checks() -> torch.Tensor:  # inside the preflight: what one rank raises, every rank raises
             s = contract.sharding
@@ -417,7 +419,7 @@ class LinearGRPOLossOp:
             T = contract.padded_seq_len
             _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps,
                           seq_hi - seq_lo, T, v_hi - v_lo, contract.beta)
-            chosen.append(_kernels(self.kernels, hidden.device, contract.vocab_tile))
+            chosen["kernels"] = _kernels(self.kernels, hidden.device, contract.vocab_tile)
             check_option_inputs(sampling_logps, importance_sampling_ratio, contract.off_policy_mask_threshold,
                                 contract.surrogate, contract.padded_seq_len)
             logits = stand_in((seq_hi - seq_lo, T, v_hi - v_lo), hidden.dtype, hidden.device)
@@ -429,22 +431,25 @@ class LinearGRPOLossOp:
                                 advantages_input=contract.advantages_input, ref_logps=ref_logps,
                                 importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps)
 
-        def replicated() -> str:  # what TP peers must share (the hidden states are not hashed: too large)
+        def replicated() -> dict[str, str | None]:  # what TP peers must share, the hidden states at active tokens
             if contract.sharding.tp_world_size == 1:
-                return ""
-            active = completion_mask.bool()
-            given = None
-            if advantages is not None:
-                given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
-            return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
-                                     None if old_logps is None else torch.where(active, old_logps, 0), rewards, given,
-                                     None if ref_logps is None else torch.where(active, ref_logps, 0),
-                                     None if importance_sampling_ratio is None else
-                                     torch.where(active, importance_sampling_ratio, 0),
-                                     None if sampling_logps is None else torch.where(active, sampling_logps, 0))
+                return {}
+            rows = completion_mask.bool().reshape(-1)
+            return replicated_inputs(completion_mask, action_ids, old_logps, rewards, advantages, ref_logps,
+                                     importance_sampling_ratio, sampling_logps,
+                                     hidden=bits_digest(hidden.reshape(rows.numel(), -1), rows),
+                                     ref_hidden=None if ref_hidden is None else
+                                     bits_digest(ref_hidden.reshape(rows.numel(), -1), rows))
 
-        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
-        k = chosen[0]
+        def choices() -> dict[str, str]:  # what a rank chooses alone: the kernel set, the gradients it wants
+            wanted = [name for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias))
+                      if torch.is_grad_enabled() and t is not None and t.requires_grad]
+            chosen["gradients"] = wanted
+            return {"kernels": chosen["kernels"].name, "gradients (requires_grad under grad mode)":
+                    " / ".join(wanted) or "none"}
+
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group, choices)
+        k = chosen["kernels"]
         s, lp = contract.sharding, contract.logprob_contract
         seq_lo, seq_hi = s.sequence_bounds
         n_local, T, H = hidden.shape
@@ -470,8 +475,7 @@ class LinearGRPOLossOp:
         bonus = contract.entropy_coef != 0.0
         two_pass = (sequence or contract.off_policy_mask_threshold is not None or gamma is not None or bonus
                     or contract.top_entropy_quantile < 1.0)  # from whole sequences, or from the whole batch
-        params = [t for t in (hidden, weight, bias) if t is not None]
-        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+        wants_grad = bool(chosen["gradients"])
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
         is_ratio = (None if importance_sampling_ratio is None else
                     canonical.given_logprobs(importance_sampling_ratio, mask))  # fp32 [n_local, T]
@@ -541,10 +545,11 @@ class LinearGRPOLossOp:
             bad |= ~torch.isfinite(advantages_all).all()
         if bool(bad):  # one sync, once all is queued; every rank holds what it reads
             if bool(flags.any()):
-                check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
+                check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group),
+                                          _names(bias, ref_hidden))
             if derived:
                 check_derived_advantages(advantages_all, rewards_all, contract.groups)
-            check_loss(loss)
+            check_loss(loss, per_seq_kl, _names(bias, ref_hidden)[1])
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts,
                                                                            contract.sequence_clip)
         if grads is not None and two_pass:
@@ -574,6 +579,11 @@ class LinearGRPOLossOp:
                                   determinism_scope=contract.determinism_scope.value))
 
 
+def _names(bias: torch.Tensor | None, ref_hidden: torch.Tensor | None) -> tuple[str, str]:
+    """The arguments the policy's and the reference's log-probs come from, for the messages."""
+    return "hidden / weight" + (" / bias" if bias is not None else ""), "ref_logps" if ref_hidden is None else "ref_hidden"
+
+
 def _plain_call(hidden: Any, weight: Any, completion_mask: Any) -> tuple[int, int, Any]:
     """`(B, T, completion_mask)` of a plain call (the mask None: every token active), once `hidden` and `weight` are
     a 3-D and a 2-D tensor."""
@@ -583,6 +593,9 @@ def _plain_call(hidden: Any, weight: Any, completion_mask: Any) -> tuple[int, in
         raise LossContractError(f"hidden / weight: expected [B, T, H] and [V, H], got {list(hidden.shape)} and "
                                 f"{list(weight.shape)}")
     B, T, _ = hidden.shape
+    if B == 0 or T == 0:
+        raise LossContractError(f"hidden: expected at least one sequence and one token (B >= 1, T >= 1), got shape "
+                                f"{list(hidden.shape)}")
     if completion_mask is None:
         completion_mask = torch.ones((B, T), dtype=torch.bool, device=hidden.device)
     return B, T, completion_mask
@@ -660,5 +673,6 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torc
         k = _kernels(kernels, hidden.device, contract.tile_width)
         logp, *_ = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
                                None if bias is None else bias.detach(), ids, rows, contract, tp_group, inv)
-    out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
-    return out.index_put((rows,), logp).view(B, T)
+    out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device).index_put((rows,), logp).view(B, T)
+    check_logprobs(out, None, mask, _names(bias, None))
+    return out

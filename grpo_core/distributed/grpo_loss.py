@@ -56,6 +56,26 @@ def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: 
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
+def replicated_inputs(completion_mask: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor | None,
+                      rewards: torch.Tensor | None, advantages: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                      importance_sampling_ratio: torch.Tensor | None, sampling_logps: torch.Tensor | None,
+                      **more: torch.Tensor | None) -> dict[str, str | None]:
+    """`replicated_digest` of the per-token inputs TP peers must share, each read at active tokens only (masked
+    tokens may hold anything), and of `more` as given."""
+    active = completion_mask.bool()
+
+    def at_active(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.where(active, t, 0)
+
+    given = None
+    if advantages is not None:  # only what active tokens read must agree
+        given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
+    return replicated_digest(completion_mask=completion_mask, action_ids=at_active(action_ids),
+                             old_logps=at_active(old_logps), rewards=rewards, advantages=given,
+                             ref_logps=at_active(ref_logps), importance_sampling_ratio=at_active(importance_sampling_ratio),
+                             sampling_logps=at_active(sampling_logps), **more)
+
+
 def gathered_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, contract: GRPOLossContract,
                           dp_group: Any) -> torch.Tensor:
     """This rank's `[n_local, T]` of `canonical.entropy_keep` over the whole batch's entropies and mask (gathered:
@@ -186,21 +206,14 @@ class DistributedGRPOLossOp:
                                 importance_sampling_ratio=importance_sampling_ratio,
                                 sampling_logps=sampling_logps)  # Triton: flags, no sync
 
-        def replicated() -> str:  # compared on the TP axis only
+        def replicated() -> dict[str, str | None]:  # compared on the TP axis only
             if contract.sharding.tp_world_size == 1:
-                return ""
-            active = completion_mask.bool()
-            given = None
-            if advantages is not None:  # only what active tokens read must agree
-                given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
-            return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
-                                     torch.where(active, old_logps, 0), rewards, given,
-                                     None if ref_logps is None else torch.where(active, ref_logps, 0),
-                                     None if importance_sampling_ratio is None else
-                                     torch.where(active, importance_sampling_ratio, 0),
-                                     None if sampling_logps is None else torch.where(active, sampling_logps, 0))
+                return {}
+            return replicated_inputs(completion_mask, action_ids, old_logps, rewards, advantages, ref_logps,
+                                     importance_sampling_ratio, sampling_logps)
 
-        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group,
+                         lambda: {"kernels": "triton" if triton_runs else "torch"})
         k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
         c = _Call(contract, mask, action_ids, completion_mask, old_logps.detach().to(torch.float32),
                   inverse_temperature(contract.temperature),

@@ -9,8 +9,9 @@ checking or describing the arguments) becomes this rank's error message and trav
 What travels: each rank's payload (`all_gather_object`) carries every structural choice: backend id, contract
 fingerprint and numeric fields, which groups were passed (None or their size; rank indices from the contract),
 whether ref logits are present, dtype, device type and shape of every tensor argument (the dims an axis shards
-are left out of that axis' comparison), a digest of the inputs TP siblings must share, this rank's errors, and
-a call sequence number per axis. It is gathered on the DP axis, then on the TP axis (carrying what the DP axis
+are left out of that axis' comparison), the choices a rank makes alone (the kernel set, the gradients wanted),
+digests of the inputs TP siblings must share (the hidden states' by `bits_digest`, on the device: a few bytes
+travel), this rank's errors, and a call sequence number per axis. It is gathered on the DP axis, then on the TP axis (carrying what the DP axis
 reported), then on the DP axis again (carrying what the TP axis found), so that whatever is found anywhere
 reaches every rank of the grid. All three stages run whatever was found before, so every rank makes the same
 collectives in every call. A message says which rank it comes from (`rank 3: ...`, or `ranks 1 and 3: ...`
@@ -53,14 +54,46 @@ _group_calls: dict[Any, int] = {}  # group handle -> the largest sequence number
 _owed: dict[tuple, list[dict]] = {}  # seat -> payloads of calls that could not gather on it (missing handle)
 
 
-def replicated_digest(*tensors: torch.Tensor | None) -> str:
-    """A digest of tensors that TP siblings must hold identically (mask, ids, old log-probs, rewards)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is not None:
-            h.update(str((tuple(t.shape), t.dtype)).encode())
-            h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:32]
+def replicated_digest(**tensors: torch.Tensor | None) -> dict[str, str | None]:
+    """Per argument, a digest of what TP siblings must hold identically (mask, ids, old log-probs, rewards, the
+    `bits_digest` of the hidden states); None for an argument not passed."""
+    out: dict[str, str | None] = {}
+    for name, t in tensors.items():
+        if t is None:
+            out[name] = None
+            continue
+        h = hashlib.sha256(str((tuple(t.shape), t.dtype)).encode())
+        h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+        out[name] = h.hexdigest()[:32]
+    return out
+
+
+_PRIME = (1 << 31) - 1  # the digest's modulus: a prime, so that any one changed 16-bit word changes the digest
+_DIGEST_ELEMENTS = 1 << 24  # 16-bit words per step of `bits_digest` (bounds its int32 temporaries)
+
+
+def bits_digest(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """An exact integer hash of the bit patterns of the rows of `x` `[N, ...]` (a floating tensor of even item size)
+    where `rows` (bool `[N]`) is set: int64 `[2]`, computed on `x`'s device, the same on every device. Each element
+    is read as signed 16-bit words `u[r, j]`; per lane `sum_r w_r * (sum_j c_j * u[r, j] mod p) mod p` with fixed
+    weights `c_j` < 2**15, `w_r` < p = 2**31 - 1 (0 on the rows left out): integer products and sums, exact in any
+    order. A change of one word changes both lanes (p is prime); a reordering of rows or columns changes the
+    weights they meet. Cost: one read of `x` and a few int32 passes over it (`_DIGEST_ELEMENTS` words a step)."""
+    words = x.detach().contiguous().view(x.shape[0], -1).view(torch.int16)
+    n, k = words.shape
+    dev = words.device
+    j = torch.arange(k, dtype=torch.int64, device=dev)
+    cols = [((j * a + b) % 32749 + 1).to(torch.int32) for a, b in ((7919, 12345), (104729 % 32749, 2718))]
+    r = torch.arange(n, dtype=torch.int64, device=dev)
+    lanes = [torch.where(rows, (r * a + b) % (_PRIME - 1) + 1, 0) for a, b in ((48271, 1), (69621, 31337))]
+    out = torch.zeros(2, dtype=torch.int64, device=dev)
+    step = max(1, _DIGEST_ELEMENTS // max(k, 1))
+    for lo in range(0, n, step):
+        chunk = words[lo:lo + step]
+        for i, (c, w) in enumerate(zip(cols, lanes)):
+            sums = torch.remainder((chunk * c).sum(-1, dtype=torch.int64), _PRIME)  # |word * c| < 2**30
+            out[i] = torch.remainder(out[i] + torch.remainder(sums * w[lo:lo + step], _PRIME).sum(), _PRIME)
+    return out
 
 
 def _group_size(group: Any) -> int | None:
@@ -144,10 +177,14 @@ def _compare(mine: dict, theirs: dict, axis: str) -> list[str]:
     if lo["backend"] != hi["backend"]:
         differ("the backend", lo["backend"], hi["backend"])
     if lo["fingerprint"] != hi["fingerprint"] and None not in (lo["fields"], hi["fields"]):
-        keys = sorted(k for k in lo["fields"] if lo["fields"][k] != hi["fields"].get(k))
-        detail = "; ".join(f"{k}: {lo['fields'][k]!r} on rank {lo['global_rank']}, {hi['fields'].get(k)!r} on "
-                           f"rank {hi['global_rank']}" for k in keys)
+        keys = sorted(k for k in {**lo["fields"], **hi["fields"]} if lo["fields"].get(k) != hi["fields"].get(k))
+        detail = "; ".join(f"{k}: {lo['fields'].get(k)!r} on rank {lo['global_rank']}, {hi['fields'].get(k)!r} on "
+                           f"rank {hi['global_rank']}" for k in keys)  # an option at its default is not a field
         out.append(f"{who}: preflight: contract mismatch on the {axis.upper()} axis: {detail}")
+    if None not in (lo["choices"], hi["choices"]):
+        for name in sorted({**lo["choices"], **hi["choices"]}):
+            if lo["choices"].get(name) != hi["choices"].get(name):
+                differ(name, lo["choices"].get(name), hi["choices"].get(name))
     for name in lo["groups"]:
         if lo["groups"][name] != hi["groups"][name]:
             differ(f"{name} (None or the size of the group passed)", lo["groups"][name], hi["groups"][name])
@@ -155,10 +192,11 @@ def _compare(mine: dict, theirs: dict, axis: str) -> list[str]:
         x, y = _masked(lo["tensors"][name], name, axis), _masked(hi["tensors"][name], name, axis)
         if x != y:
             differ(f"{name} ([dtype, device, shape] or type; '*': the dim the {axis.upper()} axis shards)", x, y)
-    if axis == "tp" and lo["replicated"] != hi["replicated"]:
-        out.append(f"{who}: preflight: they hold different completion_mask / action_ids / old_logps / rewards / "
-                   f"advantages / ref_logps / importance_sampling_ratio (at active tokens); every rank of a TP group "
-                   f"must pass the same ones")
+    if axis == "tp" and None not in (lo["replicated"], hi["replicated"]):  # None: a rank's checks failed
+        names = [k for k in lo["replicated"] if lo["replicated"][k] != hi["replicated"].get(k)]
+        if names:
+            out.append(f"{who}: preflight: they hold different {' / '.join(names)} (at active tokens); every rank of "
+                       f"a TP group must pass the same ones")
     return out
 
 
@@ -204,12 +242,14 @@ def _local(fn: Callable[[], Any], global_rank: int, errors: list[str]) -> Any:
 
 
 def preflight(contract: Any, backend: str, tensors: dict[str, Any], local_checks: Callable[[], Any],
-              replicated: Callable[[], str], tp_group: Any, dp_group: Any) -> Any:
+              replicated: Callable[[], dict[str, str | None]], tp_group: Any, dp_group: Any,
+              choices: Callable[[], dict[str, Any]] = dict) -> Any:
     """Runs `local_checks()` on this rank, then agrees with the DP and TP axes; raises on every rank on any error.
 
     `tensors`: every tensor argument by name (dim 0 holds the sequences; the last dim of `*_logits` the local
-    vocabulary). `replicated()`: the digest of what TP siblings must share. Returns what `local_checks()`
-    returned."""
+    vocabulary). `replicated()`: the digests of what TP siblings must share (`replicated_digest`). `choices()`:
+    the structural choices this rank made once its checks passed (the kernel set, the gradients wanted), which
+    every rank of the grid must share. Returns what `local_checks()` returned."""
     global_rank = dist.get_rank() if dist.is_initialized() else 0
     groups = {"dp": dp_group, "tp": tp_group}
     errors: list[str] = []
@@ -220,11 +260,12 @@ def preflight(contract: Any, backend: str, tensors: dict[str, Any], local_checks
         for axis in ("dp", "tp"):
             found = _local(lambda: _axis_errors(contract, axis, groups[axis]), global_rank, errors) or []
             errors += [f"{_tag(global_rank)}{e}" for e in found]
-    result, digest, before = None, "", len(errors)
+    result, digest, chosen, before = None, None, None, len(errors)
     if valid:
         result = _local(local_checks, global_rank, errors)
         if len(errors) == before:  # the digest reads the tensors the checks have just accepted
             digest = _local(replicated, global_rank, errors)
+            chosen = _local(choices, global_rank, errors)
 
     s = contract.sharding if valid else None
     axis_ranks = {a: getattr(s, f"{a}_rank") for a in ("dp", "tp")} if valid else {}
@@ -248,7 +289,8 @@ def preflight(contract: Any, backend: str, tensors: dict[str, Any], local_checks
             "fields": contract.numeric_fields() if valid else None,
             "groups": {f"{a}_group": None if groups[a] is None else sizes[a] or type(groups[a]).__name__
                        for a in ("tp", "dp")},
-            "tensors": {name: _describe_arg(t) for name, t in tensors.items()}, "replicated": digest}
+            "tensors": {name: _describe_arg(t) for name, t in tensors.items()}, "replicated": digest,
+            "choices": chosen}
     skipped = set()
     for axis in STAGES:
         group = groups[axis]
@@ -280,12 +322,13 @@ def _settle(seat: tuple, axis: str, group: Any, global_rank: int, errors: list[s
 
 
 def check_logprobs_everywhere(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torch.Tensor,
-                              gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                              gather: Callable[[torch.Tensor], torch.Tensor],
+                              names: tuple[str, str] = ("policy_logits", "ref_logits")) -> None:
     """`checks.check_logprobs` over the global batch, on every rank: call it on every rank together once the
     gathered flags say a log-prob is non-finite. `gather` concatenates every DP rank's `[n_local, ...]` rows
     (exact copies), so every rank raises the very message a single process gives, with global `(b, t)`."""
     ref = logp_ref if logp_ref is not None else torch.zeros_like(logp)
     full = gather(torch.stack([logp, ref, mask.to(logp.dtype)], -1))
-    check_logprobs(full[..., 0], full[..., 1] if logp_ref is not None else None, full[..., 2] != 0)
-    raise LossContractError("policy_logits / ref_logits: expected finite log-probabilities at active tokens, got "
-                            "non-finite ones flagged by a rank")  # unreachable when the flags and values agree
+    check_logprobs(full[..., 0], full[..., 1] if logp_ref is not None else None, full[..., 2] != 0, names)
+    raise LossContractError(f"{' / '.join(names)}: expected finite log-probabilities at active tokens, got "
+                            f"non-finite ones flagged by a rank")  # unreachable when the flags and values agree
