@@ -290,10 +290,10 @@ def check_loss(loss: torch.Tensor, per_sequence_kl: torch.Tensor | None = None, 
     if bool(torch.isfinite(loss)):
         return
     if per_sequence_kl is not None and not bool(torch.isfinite(per_sequence_kl).all()):
-        raise LossContractError(f"{reference}: expected reference log-probs within float32 reach of the policy's, got a "
-                                f"KL term that overflows float32: at an active token the reference's log-prob exceeds "
-                                f"the policy's by more than about 88 (its exp overflows); check the scale of hidden / "
-                                f"weight and of {reference}")
+        raise LossContractError(f"{reference}: expected reference log-probs within float32 reach of the policy's, got "
+                                f"a KL term that overflows float32: at an active token the reference's log-prob "
+                                f"exceeds the policy's by more than about 88 (its exp overflows); check the scale of "
+                                f"hidden / weight and of {reference}")
     raise LossContractError("loss: expected a finite float32 loss from finite inputs, got a non-finite one: an "
                             "advantage times a ratio, a KL term, or a sum of them overflows float32; scale the "
                             "rewards or advantages down")

@@ -67,6 +67,7 @@ TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the
 # fold continues across chunks on K-step boundaries); 2048 halves the buffers but reads and writes the fp32 dW
 # accumulator twice as often (4.4 GB a chunk at H = 3584)
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
+MAX_TRITON_TILE = 4096  # the row kernels' largest tile
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -180,7 +181,7 @@ def _kernels(choice: str, device: torch.device, width: int) -> TorchKernels | Tr
     """The kernel set `choice` names ('auto': Triton for CUDA tensors when it imports and takes tiles of `width`)."""
     _check_kernels(choice)
     has_triton = importlib.util.find_spec("triton") is not None
-    fits = MIN_TRITON_TILE <= width <= 4096  # the dot's smallest K step; the row kernels' largest tile
+    fits = MIN_TRITON_TILE <= width <= MAX_TRITON_TILE
     if choice == "torch" or (choice == "auto" and not (device.type == "cuda" and has_triton and fits)):
         return TorchKernels()
     if not has_triton:
@@ -190,8 +191,8 @@ def _kernels(choice: str, device: torch.device, width: int) -> TorchKernels | Tr
         raise LossContractError(f"kernels: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
                                 f"interpreter), got hidden on {device}; use kernels='torch'")
     if not fits:
-        raise LossContractError(f"vocab_tile: the Triton kernels take tiles of {MIN_TRITON_TILE} to 4096 columns, got "
-                                f"{width}; use kernels='torch'")
+        raise LossContractError(f"vocab_tile: the Triton kernels take tiles of {MIN_TRITON_TILE} to {MAX_TRITON_TILE} "
+                                f"columns, got {width}; use kernels='torch'")
     return TritonKernels()
 
 
@@ -393,6 +394,22 @@ class LinearGRPOLossOp:
     def __init__(self, kernels: str = "auto") -> None:
         self.kernels = _check_kernels(kernels)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> GRPOLossResult:
+        """The plain call, `linear_grpo_loss(*args, **kwargs)` with this op's kernel set (what
+        `kernel_registry.get_op("linear_grpo_loss", backend=...)` returns)."""
+        if "kernels" in kwargs:
+            raise LossContractError(f"kernels: expected none (this op runs the {self.kernels!r} kernels: the backend "
+                                    f"chosen in get_op), got {kwargs['kernels']!r}")
+        return linear_grpo_loss(*args, kernels=self.kernels, **kwargs)
+
+    def supports(self, contract: GRPOLossContract) -> list[str]:
+        """Reasons this op cannot serve `contract` (empty when it can): it serves every contract, at every
+        determinism scope (its bits are the same at every layout), where torch.distributed runs."""
+        s = contract.sharding
+        if (s.tp_world_size > 1 or s.dp_world_size > 1) and not dist.is_available():
+            return ["torch.distributed is not available in this build of torch"]
+        return []
+
     @staticmethod
     def _token_sum(terms: torch.Tensor) -> torch.Tensor:
         """Each sequence's token sum (a fixed tree over `padded_seq_len`)."""
@@ -523,8 +540,7 @@ class LinearGRPOLossOp:
             ent = full.index_put((rows,), ent_rows).view(n_local, T)
             keep = gathered_entropy_keep(ent, mask, contract, dp_group)
         is_ratio, phi = canonical.importance_weights(logp, old, adv, mask, is_ratio, contract.off_policy_mask_threshold,
-                                                     sampling_logps, gamma, k.exp,
-                                                     None if contract.top_entropy_quantile == 1.0 else keep)
+                                                     sampling_logps, gamma, k.exp, keep)
         sums = [self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta, is_ratio,
                                                             contract.surrogate, logp, taus)),
                 self._token_sum(kl_tok), local_ratio]
@@ -581,7 +597,8 @@ class LinearGRPOLossOp:
 
 def _names(bias: torch.Tensor | None, ref_hidden: torch.Tensor | None) -> tuple[str, str]:
     """The arguments the policy's and the reference's log-probs come from, for the messages."""
-    return "hidden / weight" + (" / bias" if bias is not None else ""), "ref_logps" if ref_hidden is None else "ref_hidden"
+    policy = "hidden / weight" + (" / bias" if bias is not None else "")
+    return policy, "ref_logps" if ref_hidden is None else "ref_hidden"
 
 
 def _plain_call(hidden: Any, weight: Any, completion_mask: Any) -> tuple[int, int, Any]:

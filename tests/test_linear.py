@@ -411,8 +411,8 @@ def test_linear_logprobs_raise_the_losss_words(kernels):
     inp = make(device="cpu")
     hidden, ids, mask = inp["hidden"].clone(), inp["action_ids"], inp["completion_mask"]
     hidden[1, 0, 3] = float("nan")
-    with pytest.raises(LossContractError, match=r"^hidden / weight: expected finite log-probabilities at active tokens, "
-                                                r"got NaN at \(b, t\) \[\(1, 0\)\]"):
+    with pytest.raises(LossContractError, match=r"^hidden / weight: expected finite log-probabilities at active "
+                                                r"tokens, got NaN at \(b, t\) \[\(1, 0\)\]"):
         linear_logprobs(hidden, inp["weight"], ids, mask, kernels=kernels)
     masked = mask.clone()
     masked[1, 0] = False

@@ -72,14 +72,16 @@ def replicated_inputs(completion_mask: torch.Tensor, action_ids: torch.Tensor, o
         given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
     return replicated_digest(completion_mask=completion_mask, action_ids=at_active(action_ids),
                              old_logps=at_active(old_logps), rewards=rewards, advantages=given,
-                             ref_logps=at_active(ref_logps), importance_sampling_ratio=at_active(importance_sampling_ratio),
+                             ref_logps=at_active(ref_logps),
+                             importance_sampling_ratio=at_active(importance_sampling_ratio),
                              sampling_logps=at_active(sampling_logps), **more)
 
 
 def gathered_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, contract: GRPOLossContract,
                           dp_group: Any) -> torch.Tensor:
     """This rank's `[n_local, T]` of `canonical.entropy_keep` over the whole batch's entropies and mask (gathered:
-    every rank computes the same quantile): the active tokens whose policy terms are kept."""
+    every rank computes the same quantile): the active tokens whose policy terms are kept (`mask` itself at
+    top_entropy_quantile = 1)."""
     top = contract.top_entropy_quantile
     if top == 1.0:
         return mask
@@ -293,8 +295,7 @@ class _Call:
         rank's sequences (`canonical.importance_weights`, from this rank's whole sequences)."""
         o = self.contract
         return canonical.importance_weights(logp, self.old, adv, self.mask, self.is_ratio,
-                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp,
-                                            None if o.top_entropy_quantile == 1.0 else keep)
+                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp, keep)
 
 
 class _TorchKernels:

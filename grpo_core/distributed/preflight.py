@@ -8,14 +8,14 @@ checking or describing the arguments) becomes this rank's error message and trav
 
 What travels: each rank's payload (`all_gather_object`) carries every structural choice: backend id, contract
 fingerprint and numeric fields, which groups were passed (None or their size; rank indices from the contract),
-whether ref logits are present, dtype, device type and shape of every tensor argument (the dims an axis shards
-are left out of that axis' comparison), the choices a rank makes alone (the kernel set, the gradients wanted),
-digests of the inputs TP siblings must share (the hidden states' by `bits_digest`, on the device: a few bytes
-travel), this rank's errors, and a call sequence number per axis. It is gathered on the DP axis, then on the TP axis (carrying what the DP axis
-reported), then on the DP axis again (carrying what the TP axis found), so that whatever is found anywhere
-reaches every rank of the grid. All three stages run whatever was found before, so every rank makes the same
-collectives in every call. A message says which rank it comes from (`rank 3: ...`, or `ranks 1 and 3: ...`
-for a disagreement between two ranks, worded the same from either side so that merging removes duplicates).
+whether ref logits are present, dtype, device type and shape of every tensor argument (the dims an axis shards are
+left out of that axis' comparison), the choices a rank makes alone (the kernel set, the gradients wanted), digests
+of the inputs TP siblings must share (the hidden states' by `bits_digest`, on the device: a few bytes travel), this
+rank's errors, and a call sequence number per axis. It is gathered on the DP axis, then on the TP axis (carrying
+what the DP axis reported), then on the DP axis again (carrying what the TP axis found), so that whatever is found
+anywhere reaches every rank of the grid. All three stages run whatever was found before, so every rank makes the
+same collectives in every call. A message says which rank it comes from (`rank 3: ...`, or `ranks 1 and 3: ...` for
+a disagreement between two ranks, worded the same from either side so that merging removes duplicates).
 
 Sequence numbers. Each rank counts its calls per axis seat (axis, the contract's TP and DP sizes and this
 rank's place in them), a call whose handle is missing included, and per group handle (the largest number seen
