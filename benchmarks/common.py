@@ -68,14 +68,16 @@ def provenance() -> dict:
                                 cwd=RESULTS.parent).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "git_commit": commit,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def append(rows: list[dict], name: str) -> Path:
-    path = RESULTS / f"{name}.parquet"
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Appends to `results/<name>.parquet`, or to `name` itself when it ends with `.parquet`."""
+    path = Path(name) if name.endswith(".parquet") else RESULTS / f"{name}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame(rows)
     if path.exists():
         df = pd.concat([pd.read_parquet(path), df], ignore_index=True)

@@ -38,6 +38,7 @@ try:
     from .record import TableError, git_commit, load_run, read_table, world_run, write_table
     from .scenarios import SCENARIOS
     from .topology import layouts, run_torchrun, run_world
+    from .training import cmd_diff_training, is_training_run
 except ModuleNotFoundError as exc:  # an interpreter without the project (the system python3): one line, not a traceback
     if __name__ != "__main__":
         raise
@@ -277,6 +278,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_diff(args) -> int:
+    if is_training_run(args.a) or is_training_run(args.b):
+        return cmd_diff_training(args.a, args.b)
     a, _ = load_run("a", args.a)
     b, _ = load_run("b", args.b)
     diffs, contracts = compare(a, b, ("A", "B")), contract_differences(a, b)

@@ -273,16 +273,22 @@ def check_rows(df: pd.DataFrame, where: str) -> None:
         raise TableError("digest", f"{where}: a gradient row needs a 24-hex-digit digest and no value or bits "
                                    f"({first(bad)})")
     num = df[~grad]
+    ok = bits_encode_values(num)
+    if not ok.all():
+        raise TableError("value vs bits", f"{where}: `value` is not the number that `bits` encodes "
+                                          f"({first(df.index.isin(num.index[~ok]))})")
+
+
+def bits_encode_values(num: pd.DataFrame) -> np.ndarray:
+    """Per row of `num` (columns field, value, bits): whether `value` is the number `bits` encodes (an fp32 bit
+    pattern, or the count itself for `per_sequence_active_tokens`)."""
     bits = num["bits"].astype("float64").to_numpy()  # NaN where absent; int32 patterns and counts fit exactly
-    value = num["value"].to_numpy()
+    value = num["value"].astype("float64").to_numpy()
     counts = (num["field"] == "per_sequence_active_tokens").to_numpy()
     in_range = (bits >= -(2**31)) & (bits < 2**31)
     as_float = np.where(in_range, bits, 0).astype(np.int64).astype(np.int32).view(np.float32).astype(np.float64)
     same = np.where(counts, value == bits, (as_float == value) | (np.isnan(as_float) & np.isnan(value)))
-    ok = ~np.isnan(bits) & in_range & same
-    if not ok.all():
-        raise TableError("value vs bits", f"{where}: `value` is not the number that `bits` encodes "
-                                          f"({first(df.index.isin(num.index[~ok]))})")
+    return ~np.isnan(bits) & in_range & same
 
 
 def load_run(arg: str, path: str) -> tuple[pd.DataFrame, dict[str, Any]]:

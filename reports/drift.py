@@ -29,6 +29,8 @@ from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
 from harness.diff import (cells_of, compare, contract_differences, drift_first, format_differences, plural,  # noqa: E402
                           summarize)
 from harness.record import load_run  # noqa: E402
+from harness.training import (LAYOUT, SCALAR_FIELDS, format_moved, is_training_run, training_comparison,  # noqa: E402
+                              verdict_text)
 from harness.scenarios import RegroupedTokenSumOp, Scenario  # noqa: E402
 
 VECTOR_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages")
@@ -114,10 +116,64 @@ def _planted(meta: dict) -> str:
     return f"a regrouped token sum at {meta['plant_drift']}" if meta.get("plant_drift") else "nothing"
 
 
+def per_step_figure(steps: pd.DataFrame) -> Figure:
+    """Training runs: moved sequences per step by cause (stacked), sequences in one run only, and the largest ULP
+    distance per step."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    x, base = steps["step"].to_numpy(), np.zeros(len(steps))
+    for column, color in (("upstream", "#4c72b0"), ("loss", "#c44e52"), ("gradient", "#dd8452")):
+        top.bar(x, steps[column], bottom=base, color=color, label=f"moved: {column}")
+        base = base + steps[column].to_numpy()
+    top.bar(x, steps["only_in_A"] + steps["only_in_B"], bottom=base, color="#999999", label="in one run only")
+    top.set_ylabel("sequences")
+    top.set_title("Sequences that moved, per step")
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
+    top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    bottom.bar(x, steps["max_ulp"], color="#55a868")
+    if steps["max_ulp"].max() > 0:
+        bottom.set_yscale("log")
+    bottom.set_ylabel("largest ULP distance")
+    bottom.set_xlabel("optimizer step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+def training_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
+    """Two recorded training runs (`harness/training.py`): the verdict, a per-step view, the moved sequences and the
+    sequences in one run only; returns the differences."""
+    c = training_comparison(a_path, b_path)
+    out.mkdir(parents=True, exist_ok=True)
+    _save(per_step_figure(c["steps"]), out / "per_step.png")
+    runs = pd.DataFrame([{"run": name, "path": path, **{k: m.get("provenance", {}).get(k) for k in
+                                                        ("device", "torch", "triton", "deterministic_algorithms")},
+                          **{k: m.get("metadata", {}).get(k) for k in LAYOUT}, "ranks": len(m["ranks"]),
+                          "steps": m["steps"]}
+                         for name, path, m in (("A", a_path, c["meta_a"]), ("B", b_path, c["meta_b"]))])
+    listing = c["verdicts"].astype({"max_ulp": "int64"})
+    gone = c["diffs"][(c["diffs"]["missing"] != "") & ~c["diffs"]["field"].isin(SCALAR_FIELDS)]
+    gone = gone.groupby(["step", "sequence", "occurrence", "missing"]).size().reset_index(name="rows").rename(
+        columns={"missing": "missing in"})
+    _write(out, "Training drift report", [
+        ("Runs", f"A = {a_path}\nB = {b_path}\n{verdict_text(c)}", runs, None),
+        ("Per step", "Sequences matched by key in both runs, how many moved and why (upstream: the loss was given "
+         "other hidden states, log-probs or advantages; loss: the same inputs gave other values; gradient: only the "
+         "gradient moved), the largest ULP distance of a moved value, sequences in one run only.", c["steps"],
+         "per_step.png"),
+        ("Sequences that moved", "At most 200 rows, by step.", listing.head(200), None),
+        ("In one run only", "Sequences (key#occurrence) that one run recorded at a step and the other did not.",
+         gone.head(200), None),
+    ])
+    (out / "differences.txt").write_text(format_moved(c["verdicts"], c["diffs"], limit=10**9) + "\n")
+    return c["diffs"]
+
+
 def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
-    """Compares run A with run B layout with layout; returns the differences and writes the report.
+    """Compares run A with run B layout with layout (two training runs: step by step, sequence by sequence); returns
+    the differences and writes the report.
 
     Raises `UsageError` when a path is not a run (folder or run.parquet)."""
+    if is_training_run(a_path) or is_training_run(b_path):
+        return training_report(a_path, b_path, out)
     a, meta_a = load_run("a", a_path)
     b, meta_b = load_run("b", b_path)
     out.mkdir(parents=True, exist_ok=True)

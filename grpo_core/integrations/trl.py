@@ -56,7 +56,8 @@ from typing import Any
 import torch
 
 from .. import canonical
-from ..linear import linear_grpo_loss
+from ..linear import linear_grpo_loss, linear_logprobs
+from ..recorder import TrainingRecorder
 from ..result import GRPOLossResult
 
 __all__ = ["GRPOCoreTrainer", "GRPOLinearLoss"]
@@ -192,8 +193,22 @@ def _grpo_core_trainer() -> type:
         from accelerate.utils import is_peft_model
         from trl import GRPOTrainer
         from trl.models.utils import _ForwardRedirection
+        from transformers import TrainerCallback
     except ImportError as exc:
         raise ImportError(f"GRPOCoreTrainer needs TRL: pip install 'grpo-core[trl]' ({exc})") from exc
+
+    class _FlushRecorder(TrainerCallback):
+        """Writes the recorder's step once its optimizer step is taken (its backward passes have run), and what is
+        left when training ends."""
+
+        def __init__(self, recorder: TrainingRecorder):
+            self.recorder = recorder
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.recorder.flush()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.recorder.close()
 
     class GRPOCoreTrainer(GRPOTrainer):
         """TRL's `GRPOTrainer` with grpo-core's fused linear GRPO loss: same arguments, same training loop, same
@@ -201,7 +216,7 @@ def _grpo_core_trainer() -> type:
         `delta` below 1 + epsilon_high TRL counts the clamped ratio, ours the ratio). See the module docstring for what
         it refuses."""
 
-        def __init__(self, *args: Any, **kwargs: Any):
+        def __init__(self, *args: Any, record_dir: str | None = None, **kwargs: Any):
             super().__init__(*args, **kwargs)
             a = self.args
             if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
@@ -228,6 +243,16 @@ def _grpo_core_trainer() -> type:
                 vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
                 vespo_lambda_neg=a.vespo_lambda_neg, entropy=True, top_entropy_quantile=self.top_entropy_quantile)
             self.grpo_core_redirection = _ForwardRedirection()
+            self.grpo_core_recorder = None
+            if record_dir is not None:
+                self.grpo_core_recorder = TrainingRecorder(record_dir, rank=self.accelerator.process_index, metadata={
+                    "trainer": "GRPOCoreTrainer", "world_size": self.accelerator.num_processes,
+                    "gradient_accumulation_steps": a.gradient_accumulation_steps,
+                    "per_device_train_batch_size": a.per_device_train_batch_size,
+                    "steps_per_generation": a.steps_per_generation, "num_iterations": self.num_iterations,
+                    "num_generations": self.num_generations, "loss_type": self.loss_type, "beta": self.beta,
+                    "model": getattr(self.model.config, "_name_or_path", None), "seed": a.seed})
+                self.add_callback(_FlushRecorder(self.grpo_core_recorder))
 
         def _compute_loss(self, model, inputs):
             if inputs.get("pixel_values") is not None:
@@ -287,22 +312,50 @@ def _grpo_core_trainer() -> type:
                                      max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min))
                 self._last_world_entropy, self._entropy_window_stats = world, None
 
-        def _grpo_core_loss(self, unwrapped, inputs, num_items, entropy_coef):
-            """Backbone, then the fused linear loss on the completion positions (inside the wrapper's forward):
-            `(loss, what the trainer logs)`."""
+        def _hidden_and_head(self, unwrapped, input_ids, attention_mask, logits_to_keep):
+            """The backbone's last hidden states at the positions that predict the last `logits_to_keep` tokens
+            (position t predicts token t + 1), and the LM head's weight and bias: `(hidden, weight, bias)`, cast to
+            fp32 with `cast_lm_head_to_fp32` (the gradient flows back through the casts)."""
             if is_peft_model(unwrapped):
                 unwrapped = unwrapped.base_model.model
-            completion_ids = inputs["completion_ids"]
-            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             with self.accelerator.autocast():
                 hidden = unwrapped.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                               use_cache=False).last_hidden_state
-            hidden = hidden[:, -completion_ids.size(1) - 1:-1]  # position t predicts token t + 1
+            hidden = hidden[:, -logits_to_keep - 1:-1]
             head = unwrapped.get_output_embeddings()
             weight, bias = head.weight, head.bias
-            if self.args.cast_lm_head_to_fp32:  # the matmul in fp32: the gradient flows back through the casts
+            if self.args.cast_lm_head_to_fp32:
                 hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
+            return hidden, weight, bias
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                               **multimodal):
+            """TRL's old and reference log-probs, computed by the loss's own kernels (`linear_logprobs`) from the
+            same backbone call as the loss's: the very bits the loss computes for the policy, so that on policy
+            every ratio is exactly 1.0 and the KL against an identical reference exactly 0.0. TRL's own way for
+            what the loss does not take (entropies, a router loss, vision inputs)."""
+            if compute_entropy or compute_aux_loss or any(v is not None for v in multimodal.values()):
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                    **multimodal)
+            unwrapped = self.accelerator.unwrap_model(model)
+            batch_size = batch_size or input_ids.size(0)
+            out = []
+            for start in range(0, input_ids.size(0), batch_size):
+                ids, att = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+                hidden, weight, bias = self._hidden_and_head(unwrapped, ids, att, logits_to_keep)
+                out.append(linear_logprobs(hidden, weight, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
+                                           bias=bias, temperature=self.temperature))
+            return torch.cat(out), None, None
+
+        def _grpo_core_loss(self, unwrapped, inputs, num_items, entropy_coef):
+            """Backbone, then the fused linear loss on the completion positions (inside the wrapper's forward):
+            `(loss, what the trainer logs)`."""
+            completion_ids = inputs["completion_ids"]
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            hidden, weight, bias = self._hidden_and_head(unwrapped, input_ids, attention_mask, completion_ids.size(1))
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
             applies = self.use_vllm and self.vllm_importance_sampling_correction  # as TRL (vespo: whenever given)
             is_ratio = inputs.get("importance_sampling_ratio") if applies or self.loss_type == "vespo" else None
@@ -312,6 +365,14 @@ def _grpo_core_trainer() -> type:
                                            vllm_is_ratio=is_ratio, num_items_in_batch=num_items,
                                            sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
                                            entropy_coef=entropy_coef)
+            if self.grpo_core_recorder is not None and self.model.training:
+                accumulation = self.current_gradient_accumulation_steps
+                self.grpo_core_recorder.record(
+                    r, step=self.state.global_step + 1, input=hidden, completion_ids=completion_ids,
+                    completion_mask=mask, prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"],
+                    old_logps=inputs.get("old_per_token_logps"), ref_logps=inputs.get("ref_per_token_logps"),
+                    importance_sampling_ratio=is_ratio, micro_batch=self._step % accumulation,
+                    generation=self._step // (self.args.steps_per_generation * self.num_iterations))
             return r.loss, {"kl": r.kl_token_mean, "clip": r.clip_fraction, "phi": r.vespo_phi,
                             "entropy": r.token_entropy, "entropy_mean": r.entropy_token_mean,
                             "policy_loss": r.policy_loss + r.kl * self.beta}

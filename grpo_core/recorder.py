@@ -1,0 +1,259 @@
+"""Records a training run at the loss: every call's per-sequence numbers, with their bits, keyed by the sequence.
+
+    rec = TrainingRecorder("runs/my-run", rank=dp_rank)       # GRPOCoreTrainer(..., record_dir=...) does this
+    result = linear_grpo_loss(hidden, weight, completion_ids, old_logps, None, mask, advantages=adv, ...)
+    rec.record(result, step=step, input=hidden, completion_ids=completion_ids, completion_mask=mask,
+               prompt_ids=prompt_ids, prompt_mask=prompt_mask, old_logps=old_logps, micro_batch=i)
+    result.loss.backward()                                   # the gradient of `input` is digested in its hook
+    rec.close()                                              # or: the next step's first record writes this step
+
+Each optimizer step of each rank becomes one Parquet file, `rank-<R>/step-<S>.parquet` (written whole, then renamed
+into place: a run can be read while it goes on). One row per (step, sequence, field): the value and its exact bit
+pattern, or a digest. A sequence is found by its key, a hash of its prompt's and completion's active token ids, not by
+where it sat, so two runs with other ranks, micro-batches or accumulation are compared sequence by sequence
+(`python -m harness diff`, `python -m reports drift`).
+
+Per sequence: the result's `per_sequence_policy`, `per_sequence_kl`, `advantages` (sequence-level ones),
+`per_sequence_active_tokens` and `per_sequence_entropy` (when computed), and three digests:
+- `input_digest`: the active rows of the loss's differentiable input (the hidden states of the fused linear loss, the
+  logits of the logits ops), their bits;
+- `logps_digest`: the given old and reference log-probs and importance-sampling ratio at the active tokens (absent
+  when none is given);
+- `grad_digest`: the active rows of that input's gradient, taken in a hook during the backward (absent when no
+  backward ran).
+Per call, the scalars `loss`, `policy_loss` and `kl` under the sequence `rank<R>/micro-batch<M>`.
+
+A digest is exact integer arithmetic on the bit patterns (`row_digests`): the same bits give the same digest on every
+device, and it is computed where the tensor lives (one read of it), a few bytes per sequence copied back when the
+step is written. A changed bit changes every lane of it (4 lanes of 31 bits, each a different linear form modulo the
+prime 2**31 - 1 of the 16-bit pieces of the bit patterns).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .contract import MATH_VERSION, LossContractError
+from .result import GRPOLossResult
+
+__all__ = ["TrainingRecorder", "row_digests", "sequence_keys"]
+
+PRIME = (1 << 31) - 1
+LANES = 4
+_CHUNK = 1 << 22  # digest elements per step (bounds the int64 temporaries)
+SEQUENCE_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens",
+                   "per_sequence_entropy")
+DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest")
+SCALAR_FIELDS = ("loss", "policy_loss", "kl")
+COLUMNS = ("step", "sequence", "field", "value", "bits", "digest", "generation", "micro_batch", "rank", "order")
+
+
+def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
+    """`[LANES, n]` int64 in [1, PRIME): fixed pseudo-random multipliers (a splitmix-style integer hash of the index,
+    computed in int64 so that every device makes the same ones)."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    lanes = torch.arange(LANES, dtype=torch.int64, device=device)[:, None]
+    x = (i[None] * 0x9E3779B1 + lanes * 0x85EBCA77 + salt * 0xC2B2AE3D) % PRIME
+    for mult in (0x27D4EB2F, 0x165667B1):
+        x = (x ^ (x >> 15)) * mult % PRIME
+    return x + (x == 0)
+
+
+def _pieces(x: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of `x` `[rows, H]` as 16-bit pieces in int64 `[rows, H * k]` (k = 1 for 16-bit dtypes, 2 for
+    fp32, 4 for 64-bit ones)."""
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        x = x.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    if x.element_size() == 1:
+        return x.to(torch.int64) & 0xFF
+    width = x.element_size() // 2
+    x = x.to(torch.int64)
+    return torch.stack([(x >> (16 * k)) & 0xFFFF for k in range(width)], -1).flatten(-2)
+
+
+def row_digests(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`[B, LANES]` int64: for each sequence b, a digest of the rows `x[b, t]` with `mask[b, t]` (their bit patterns,
+    in order of t; a row is `x[b, t]` flattened). The same bits in the same active rows give the same digest whatever
+    the padding, the batch, the device; exact integer arithmetic only."""
+    B, T = mask.shape
+    if x.shape[:2] != (B, T):
+        raise LossContractError(f"input: expected [B, T, ...] with [B, T] = {[B, T]} like completion_mask, got "
+                                f"{list(x.shape)}")
+    mask = mask.to(device=x.device, dtype=torch.bool)
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    seq = rows // T
+    ordinal = (mask.cumsum(1) - 1).reshape(-1)[rows]  # the row's place among its sequence's active rows
+    flat = x.detach().reshape(B * T, -1)
+    out = torch.zeros((B, LANES), dtype=torch.int64, device=x.device)
+    if rows.numel() == 0:
+        return out
+    cols = _weights(_pieces(flat[:1]).shape[1], 1, x.device)  # [LANES, pieces per row]
+    per_chunk = max(1, _CHUNK // cols.shape[1])
+    row_w = _weights(T, 2, x.device)
+    for start in range(0, rows.numel(), per_chunk):
+        r = rows[start:start + per_chunk]
+        v = _pieces(flat[r])  # [n, P], each < 2**16: a product < 2**47, reduced below 2**31 before the row's sum
+        h = (v[:, None, :] * cols[None] % PRIME).sum(-1) % PRIME  # [n, LANES]
+        h = h * row_w[:, ordinal[start:start + per_chunk]].T % PRIME
+        out.index_add_(0, seq[start:start + per_chunk], h)  # < 2**31 per row: no overflow below 2**32 rows
+    return out % PRIME
+
+
+def _hex(digests: torch.Tensor) -> list[str]:
+    return ["".join(f"{int(v):08x}" for v in row) for row in digests.tolist()]
+
+
+def sequence_keys(completion_ids: torch.Tensor, completion_mask: torch.Tensor, prompt_ids: torch.Tensor | None = None,
+                  prompt_mask: torch.Tensor | None = None) -> list[str]:
+    """One key per sequence: 16 hex digits of a BLAKE2b hash of its prompt's active token ids and its completion's
+    active token ids (padding never enters it)."""
+    def active(ids: torch.Tensor | None, mask: torch.Tensor | None) -> list[list[int]]:
+        if ids is None:
+            return [[] for _ in range(completion_ids.shape[0])]
+        ids = ids.detach().cpu().long()
+        keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
+        return [row[k].tolist() for row, k in zip(ids, keep)]
+
+    keys = []
+    for p, c in zip(active(prompt_ids, prompt_mask), active(completion_ids, completion_mask)):
+        data = json.dumps([p, c], separators=(",", ":")).encode()
+        keys.append(hashlib.blake2b(data, digest_size=8).hexdigest())
+    return keys
+
+
+def _provenance(device: torch.device) -> dict[str, Any]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+            "machine": platform.machine(), "math_version": MATH_VERSION,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+            "device_type": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "tf32": torch.backends.cuda.matmul.allow_tf32,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+
+
+class TrainingRecorder:
+    """Appends every loss call of a training run to `record_dir` (see the module docstring). `rank`: this process's
+    data-parallel rank (with tensor parallelism, record on TP rank 0 alone: its peers hold the same numbers);
+    `metadata`: what describes the run (world size, accumulation, ...), stored with provenance in every file."""
+
+    def __init__(self, record_dir: str | os.PathLike, *, rank: int = 0, metadata: dict[str, Any] | None = None):
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
+        self.dir = Path(record_dir) / f"rank-{rank:05d}"
+        if self.dir.exists() and any(self.dir.glob("step-*.parquet")):
+            raise ValueError(f"record_dir: expected a new folder or one without rank {rank}'s steps (a recorded run is "
+                             f"never replaced), got {record_dir}, which holds {self.dir}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.metadata = rank, dict(metadata or {})
+        self._step: int | None = None
+        self._calls: list[dict[str, Any]] = []
+        self._provenance: dict[str, Any] | None = None
+
+    def record(self, result: GRPOLossResult, *, step: int, input: torch.Tensor, completion_ids: torch.Tensor,
+               completion_mask: torch.Tensor, prompt_ids: torch.Tensor | None = None,
+               prompt_mask: torch.Tensor | None = None, old_logps: torch.Tensor | None = None,
+               ref_logps: torch.Tensor | None = None, importance_sampling_ratio: torch.Tensor | None = None,
+               micro_batch: int = 0, generation: int = 0, sequences: tuple[int, int] | None = None) -> None:
+        """Records one loss call. `input` `[B, T, ...]`: the tensor the loss was called with (hidden states or logits),
+        its gradient digested in a hook when a backward runs; `completion_ids` / `completion_mask` `[B, T]`: the
+        completion (the mask: the loss's active tokens); `prompt_ids` / `prompt_mask`: the prompt (part of the key).
+        `sequences`: `(lo, hi)`, where this rank's B sequences sit in the result's vectors (default: the result covers
+        exactly these B sequences, as a call in one process does). Nothing is synchronized with the device here."""
+        for name, value in (("step", step), ("micro_batch", micro_batch), ("generation", generation)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if self._step is not None and step < self._step:
+            raise ValueError(f"step: expected at least the last recorded step {self._step}, got {step}")
+        if step != self._step:
+            self.flush()
+            self._step = step
+        B = completion_ids.shape[0]
+        lo, hi = (0, B) if sequences is None else sequences
+        if hi - lo != B or result.per_sequence_policy.shape[0] < hi:
+            raise ValueError(f"sequences: expected (lo, hi) with hi - lo = {B} sequences of completion_ids within the "
+                             f"result's {result.per_sequence_policy.shape[0]}, got {sequences!r}")
+        mask = completion_mask.bool()
+        call: dict[str, Any] = {
+            "micro_batch": micro_batch, "generation": generation, "step": step,
+            "keys": (completion_ids.detach(), mask, None if prompt_ids is None else prompt_ids.detach(),
+                     None if prompt_mask is None else prompt_mask.detach()),
+            "scalars": torch.stack([result.loss.detach(), result.policy_loss, result.kl]).float(),
+            "vectors": {f: getattr(result, f)[lo:hi].detach() for f in SEQUENCE_FIELDS
+                        if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
+            "input_digest": row_digests(input, mask), "grad_digest": None}
+        given = [t.detach().float().unsqueeze(-1).expand(B, mask.shape[1], 1) for t in
+                 (old_logps, ref_logps, importance_sampling_ratio) if t is not None]
+        if given:
+            call["logps_digest"] = row_digests(torch.cat(given, -1), mask)
+        if self._provenance is None:
+            self._provenance = _provenance(input.device)
+        if input.requires_grad and torch.is_grad_enabled():
+            def hook(grad: torch.Tensor) -> None:
+                call["grad_digest"] = row_digests(grad, mask)
+            input.register_hook(hook)
+        self._calls.append(call)
+
+    def flush(self) -> Path | None:
+        """Writes the calls of the current step to its file (nothing when there is none); returns the file."""
+        if not self._calls:
+            return None
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rows = []
+        for call in self._calls:
+            keys = sequence_keys(*call["keys"])
+            common = dict(generation=call["generation"], micro_batch=call["micro_batch"], rank=self.rank)
+            scalars = call["scalars"].cpu()
+            name = f"rank{self.rank}/micro-batch{call['micro_batch']}"
+            for f, v in zip(SCALAR_FIELDS, scalars):
+                rows.append(dict(sequence=name, field=f, value=v.item(), bits=v.view(torch.int32).item(), digest=None,
+                                 **common))
+            for f, t in call["vectors"].items():
+                t = t.cpu()
+                bits = t.tolist() if f == "per_sequence_active_tokens" else t.view(torch.int32).tolist()
+                rows += [dict(sequence=k, field=f, value=float(v), bits=int(b), digest=None, **common)
+                         for k, v, b in zip(keys, t.tolist(), bits)]
+            for f in DIGEST_FIELDS:
+                if call.get(f) is not None:
+                    rows += [dict(sequence=k, field=f, value=None, bits=None, digest=d, **common)
+                             for k, d in zip(keys, _hex(call[f].cpu()))]
+        table = pa.Table.from_pylist([{**r, "step": self._step, "order": i} for i, r in enumerate(rows)],
+                                     schema=schema())
+        meta = {"kind": "training", "rank": self.rank, "metadata": self.metadata, "provenance": self._provenance,
+                "grpo_core_version": _version()}
+        table = table.replace_schema_metadata({b"grpo_core": json.dumps(meta, sort_keys=True).encode()})
+        path = self.dir / f"step-{self._step:07d}.parquet"
+        tmp = path.with_suffix(".parquet.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+        self._calls = []
+        return path
+
+    def close(self) -> None:
+        """Writes what is left (call it after the last backward)."""
+        self.flush()
+
+
+def schema():
+    import pyarrow as pa
+    return pa.schema([("step", pa.int64()), ("sequence", pa.string()), ("field", pa.string()),
+                      ("value", pa.float64()), ("bits", pa.int64()), ("digest", pa.string()),
+                      ("generation", pa.int64()), ("micro_batch", pa.int64()), ("rank", pa.int64()),
+                      ("order", pa.int64())])
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__

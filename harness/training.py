@@ -1,0 +1,287 @@
+"""Training runs recorded by `grpo_core.recorder.TrainingRecorder`: read, checked, and compared sequence by sequence.
+
+A run is a folder of `rank-<R>/step-<S>.parquet` files. Two runs are matched on (step, sequence key, occurrence,
+field), never on position: the occurrence numbers the repeats of one key within a step (a completion sampled twice),
+in the order of rank, then call. A sequence that moved is attributed to one side of the loss:
+- `upstream`: what the loss was given moved (the hidden states or logits, `input_digest`; the given old or reference
+  log-probs, `logps_digest`; the advantages): the model's forward, the data, the rewards or the batch composition;
+- `loss`: every input has the same bits and a per-sequence value moved (a term, the entropy): the loss computation;
+- `gradient`: inputs and values the same bits, only the gradient's digest moved: the loss's backward, or, when the
+  layouts differ, the normalizer, which spans the micro-batch (grpo, bnpo: each sequence's share of the micro-batch's
+  mean) or the process (DDP averages the processes' gradients, so each process's loss holds the world size), and
+  scales each sequence's gradient with it.
+The per-call scalars (loss, policy_loss, kl of one rank's micro-batch) are compared only when both runs have the same
+layout (world size, accumulation, micro-batch size): otherwise their micro-batches hold other sequences.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from grpo_core.recorder import DIGEST_FIELDS, LANES, SCALAR_FIELDS, SEQUENCE_FIELDS, schema
+
+from .cli import UsageError
+from .diff import plural, ulp_distance
+from .record import TableError, bits_encode_values
+
+KEY = ["step", "sequence", "occurrence", "field"]
+INPUTS = ("input_digest", "logps_digest", "advantages")  # what the loss is given
+LAYOUT = ("world_size", "gradient_accumulation_steps", "per_device_train_batch_size")
+FIELDS = SEQUENCE_FIELDS + DIGEST_FIELDS + SCALAR_FIELDS
+CAUSES = {"upstream": "what the loss was given moved (hidden states, log-probs or advantages): the model's forward, "
+                      "the data, the rewards or the batch",
+          "loss": "its inputs the same bits, a per-sequence value moved: the loss computation",
+          "gradient": "inputs and values the same bits, only the gradient moved: the loss's backward, or, with other "
+                      "layouts, the normalizer (a micro-batch's mean, or DDP's average over the processes) scaling it"}
+
+
+def is_training_run(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and next(p.glob("rank-*/step-*.parquet"), None) is not None
+
+
+def _read_file(path: Path) -> tuple[pa.Table, dict[str, Any]]:
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise TableError("readable", f"{path} is not a Parquet file ({str(exc).splitlines()[0]})") from None
+    want = schema()
+    if table.schema.remove_metadata() != want:
+        raise TableError("schema", f"{path}: expected columns {want.names} typed {[str(t) for t in want.types]}, got "
+                                   f"{table.schema.names} typed {[str(t) for t in table.schema.types]}")
+    try:
+        meta = json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
+    except ValueError:
+        raise TableError("metadata", f"{path}: the grpo_core metadata is not JSON") from None
+    try:
+        rank, step = int(path.parent.name.removeprefix("rank-")), int(path.stem.removeprefix("step-"))
+    except ValueError:
+        raise TableError("file name", f"{path}: expected rank-<R>/step-<S>.parquet with integers R and S") from None
+    if meta.get("kind") != "training" or meta.get("rank") != rank:
+        raise TableError("metadata", f"{path}: expected a training record of rank {rank}, got kind "
+                                     f"{meta.get('kind')!r}, rank {meta.get('rank')!r}")
+    for col, want_value in (("step", step), ("rank", rank)):
+        if table.num_rows and not (pc.min(table[col]).as_py() == pc.max(table[col]).as_py() == want_value):
+            raise TableError(col, f"{path}: expected every row of {col} {want_value} (the file's name), got "
+                                  f"{sorted(set(table[col].to_pylist()))}")
+    return table.replace_schema_metadata(None), meta
+
+
+def check_training_rows(df: pd.DataFrame, where: str) -> None:
+    """Known fields, no empty key, `value` equal to the number `bits` encodes, digests of the recorder's width, one
+    row per (rank, step, order)."""
+    def first(mask: pd.Series) -> str:
+        r = df[mask].iloc[0]
+        return f"{int(mask.sum())} rows, first step {r['step']} {r['sequence']} {r['field']}"
+
+    for col in ("step", "sequence", "field", "rank", "order"):
+        if df[col].isna().any():
+            raise TableError("schema", f"{where}: column {col} has empty values ({first(df[col].isna())})")
+    unknown = ~df["field"].isin(FIELDS)
+    if unknown.any():
+        raise TableError("fields", f"{where}: expected fields from {list(FIELDS)}, got "
+                                   f"{sorted(df.loc[unknown, 'field'].unique())}")
+    dup = df.duplicated(["rank", "step", "order"])
+    if dup.any():
+        raise TableError("unique keys", f"{where}: a (rank, step, order) row appears twice ({first(dup)})")
+    digest = df["field"].isin(DIGEST_FIELDS)
+    bad = digest & ~(df["digest"].fillna("").str.fullmatch(f"[0-9a-f]{{{8 * LANES}}}") & df["bits"].isna()
+                     & df["value"].isna())
+    if bad.any():
+        raise TableError("digest", f"{where}: a digest row needs {8 * LANES} hex digits and no value or bits "
+                                   f"({first(bad)})")
+    ok = bits_encode_values(df[~digest])
+    if not ok.all():
+        raise TableError("value vs bits", f"{where}: `value` is not the number that `bits` encodes "
+                                          f"({first(df.index.isin(df[~digest].index[~ok]))})")
+
+
+def read_training_run(folder: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Every step file of every rank, checked, as one table with the `occurrence` column; and the run's metadata
+    (the same in every file but for the rank, or `TableError`)."""
+    paths = sorted(folder.glob("rank-*/step-*.parquet"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:  # pyarrow reads without the GIL
+        read = list(pool.map(_read_file, paths))
+    meta = None
+    for path, (_, m) in zip(paths, read):
+        m = {k: v for k, v in m.items() if k != "rank"}
+        if meta is None:
+            meta = m
+        elif m != meta:
+            diff = sorted(k for k in set(m) | set(meta) if m.get(k) != meta.get(k))
+            raise TableError("metadata", f"{path}: expected the run's metadata of the first file, got other {diff}")
+    df = pa.concat_tables([t for t, _ in read]).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
+    check_training_rows(df, str(folder))
+    df = df.sort_values(["step", "rank", "order"], ignore_index=True)
+    df["occurrence"] = df.groupby(["step", "sequence", "field"]).cumcount()
+    meta = {**meta, "ranks": sorted(int(r) for r in df["rank"].unique()), "steps": int(df["step"].nunique())}
+    return df, meta
+
+
+def load_training_run(arg: str, path: str) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """A training run given on the command line; `UsageError` (one line) when a file fails its check."""
+    try:
+        return read_training_run(Path(path))
+    except TableError as err:
+        raise UsageError(f"{arg}: expected a training run recorded by grpo_core's TrainingRecorder, got {path} "
+                         f"({err})") from None
+
+
+def same_layout(meta_a: dict, meta_b: dict) -> bool:
+    return all(meta_a.get("metadata", {}).get(k) == meta_b.get("metadata", {}).get(k) for k in LAYOUT) and \
+        meta_a["ranks"] == meta_b["ranks"]
+
+
+def layout_text(meta: dict) -> str:
+    m = meta.get("metadata", {})
+    return ", ".join(f"{k} {m.get(k)}" for k in LAYOUT)
+
+
+def compare_training(a: pd.DataFrame, b: pd.DataFrame, scalars: bool) -> pd.DataFrame:
+    """Rows matched on (step, sequence, occurrence, field) whose bits or digest differ, or that one side lacks
+    (`missing`: "A" or "B", the side that lacks it); the per-call scalars only when `scalars`."""
+    cols = KEY + ["value", "bits", "digest"]
+    if not scalars:
+        a, b = (r[~r["field"].isin(SCALAR_FIELDS)] for r in (a, b))
+    m = a[cols].merge(b[cols], on=KEY, how="outer", suffixes=("_a", "_b"), indicator=True)
+    bits_differ = (m["bits_a"].fillna(-1) != m["bits_b"].fillna(-1)) | (m["bits_a"].isna() != m["bits_b"].isna())
+    out = m[(m["_merge"] != "both") | bits_differ | (m["digest_a"].fillna("") != m["digest_b"].fillna(""))].copy()
+    out["ulp"] = ulp_distance(out["bits_a"], out["bits_b"], out["field"]).where(out["_merge"] == "both")
+    out["missing"] = out["_merge"].map({"left_only": "B", "right_only": "A", "both": ""}).astype(str)
+    return out.drop(columns="_merge").sort_values(KEY, ignore_index=True)
+
+
+def sequence_verdicts(diffs: pd.DataFrame) -> pd.DataFrame:
+    """One row per moved (step, sequence, occurrence) present in both runs: the fields that moved, the largest ULP
+    distance, and `cause`: `upstream` (an input of the loss moved), `gradient` (inputs and every per-sequence value
+    the same bits, the gradient's digest moved) or `loss` (inputs the same, a per-sequence value moved)."""
+    moved = diffs[(diffs["missing"] == "") & ~diffs["field"].isin(SCALAR_FIELDS)]
+    rows = []
+    for (step, seq, occ), d in moved.groupby(["step", "sequence", "occurrence"], sort=True):
+        fields = sorted(d["field"])
+        rows.append(dict(step=int(step), sequence=seq, occurrence=int(occ), fields=",".join(fields),
+                         cause="upstream" if set(fields) & set(INPUTS) else "gradient" if fields == ["grad_digest"]
+                         else "loss",
+                         max_ulp=float(d["ulp"].max()) if d["ulp"].notna().any() else 0.0))
+    return pd.DataFrame(rows, columns=["step", "sequence", "occurrence", "fields", "cause", "max_ulp"])
+
+
+def step_summary(a: pd.DataFrame, b: pd.DataFrame, diffs: pd.DataFrame, verdicts: pd.DataFrame) -> pd.DataFrame:
+    """Per step: sequences in both runs, how many moved (by cause), the largest ULP distance, sequences in one run
+    only, whether a per-call scalar moved."""
+    def seqs(run: pd.DataFrame) -> pd.DataFrame:
+        s = run[~run["field"].isin(SCALAR_FIELDS)]
+        return s[["step", "sequence", "occurrence"]].drop_duplicates()
+
+    both = seqs(a).merge(seqs(b), how="outer", indicator=True)
+    out = pd.crosstab(both["step"], both["_merge"]).reindex(columns=["both", "left_only", "right_only"], fill_value=0)
+    out.columns = ["sequences", "only_in_A", "only_in_B"]
+    causes = pd.crosstab(verdicts["step"], verdicts["cause"]).reindex(columns=list(CAUSES), fill_value=0)
+    out = out.join(causes).fillna(0)
+    out["moved"] = out[list(CAUSES)].sum(axis=1)
+    out["max_ulp"] = verdicts.groupby("step")["max_ulp"].max()
+    scalar = diffs[diffs["field"].isin(SCALAR_FIELDS)]
+    out["scalar_moved"] = out.index.isin(scalar["step"])
+    out = out.fillna({"max_ulp": 0}).astype({c: "int64" for c in ["moved", *CAUSES, "max_ulp"]})
+    return out.reset_index()[["step", "sequences", "moved", *CAUSES, "max_ulp", "only_in_A", "only_in_B",
+                              "scalar_moved"]]
+
+
+def metadata_differences(meta_a: dict, meta_b: dict) -> list[str]:
+    """`key: A vs B` for each run setting that differs (the layout included)."""
+    a, b = meta_a.get("metadata", {}), meta_b.get("metadata", {})
+    out = [f"{k}: A {a.get(k)!r} vs B {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if meta_a["ranks"] != meta_b["ranks"]:
+        out.append(f"ranks: A {meta_a['ranks']} vs B {meta_b['ranks']}")
+    return out
+
+
+def first_moved(steps: pd.DataFrame) -> int | None:
+    bad = steps[(steps["moved"] > 0) | (steps["only_in_A"] > 0) | (steps["only_in_B"] > 0) | steps["scalar_moved"]]
+    return None if bad.empty else int(bad["step"].iloc[0])
+
+
+def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
+    """Everything `harness diff` and `reports drift` say of two training runs; `UsageError` when either is not
+    one."""
+    for arg, path in (("a", a_path), ("b", b_path)):
+        if not is_training_run(path):
+            raise UsageError(f"{arg}: expected a training run (a folder of rank-*/step-*.parquet) like the other run, "
+                             f"got {path}")
+    a, meta_a = load_training_run("a", a_path)
+    b, meta_b = load_training_run("b", b_path)
+    scalars = same_layout(meta_a, meta_b)
+    diffs = compare_training(a, b, scalars)
+    verdicts = sequence_verdicts(diffs)
+    steps = step_summary(a, b, diffs, verdicts)
+    return dict(a=a, b=b, meta_a=meta_a, meta_b=meta_b, scalars=scalars, diffs=diffs, verdicts=verdicts, steps=steps,
+                first=first_moved(steps), settings=metadata_differences(meta_a, meta_b))
+
+
+def verdict_text(c: dict[str, Any]) -> str:
+    """The comparison in a few lines: what was compared, the first step that moved and why."""
+    steps, v = c["steps"], c["verdicts"]
+    lines = [f"{plural(len(steps), 'step')}, {plural(int(steps['sequences'].sum()), 'sequence')} in both runs "
+             f"(A: {layout_text(c['meta_a'])}; B: {layout_text(c['meta_b'])})"]
+    if c["settings"]:
+        lines.append("settings that differ: " + "; ".join(c["settings"]))
+    if not c["scalars"]:
+        lines.append("per-call scalars (loss, policy_loss, kl) not compared: the layouts differ, so the micro-batches "
+                     "hold other sequences")
+    if c["first"] is None:
+        lines.append("identical: every recorded value and digest has the same bits at every step")
+        return "\n".join(lines)
+    first = steps[steps["step"] == c["first"]].iloc[0]
+    lines.append(f"first step where anything moved: {c['first']} ({plural(int(first['moved']), 'sequence')} moved: "
+                 + _causes(first) + f"; {int(first['only_in_A']) + int(first['only_in_B'])} in one run only"
+                 + ("; a per-call scalar moved" if first["scalar_moved"] else "") + ")")
+    total = steps[["upstream", "loss", "gradient"]].sum()
+    lines.append(f"over all steps: {plural(len(v), 'sequence')} moved: " + _causes(total) + "; "
+                 f"{int(steps['only_in_A'].sum()) + int(steps['only_in_B'].sum())} in one run only")
+    lines += [f"  {cause}: {CAUSES[cause]}" for cause in CAUSES if total[cause]]
+    return "\n".join(lines)
+
+
+def _causes(counts) -> str:
+    return (f"{int(counts['upstream'])} upstream of the loss, {int(counts['loss'])} in the loss, "
+            f"{int(counts['gradient'])} in the gradient alone")
+
+
+def format_moved(verdicts: pd.DataFrame, diffs: pd.DataFrame, limit: int = 20) -> str:
+    """One line per moved sequence: step, key, cause, the fields with their ULP distances."""
+    lines = []
+    moved = diffs[diffs["missing"] == ""]
+    for r in verdicts.head(limit).itertuples(index=False):
+        d = moved[(moved["step"] == r.step) & (moved["sequence"] == r.sequence) & (moved["occurrence"] == r.occurrence)]
+        parts = [f"{f.field} {f.ulp:.0f} ULP" if not np.isnan(f.ulp) else f.field for f in d.itertuples()]
+        lines.append(f"  step {r.step} sequence {r.sequence}#{r.occurrence}: {r.cause} ({', '.join(parts)})")
+    if len(verdicts) > limit:
+        lines.append(f"  ... and {len(verdicts) - limit} more")
+    return "\n".join(lines)
+
+
+def cmd_diff_training(a_path: str, b_path: str) -> int:
+    """`python -m harness diff A B` for two training runs: the per-step table, the verdict, the moved sequences;
+    exit code 1 when anything moved or is missing on one side."""
+    c = training_comparison(a_path, b_path)
+    print(f"A = {a_path}\nB = {b_path}")
+    print(c["steps"].to_string(index=False))
+    print(verdict_text(c))
+    if c["first"] is None:
+        return 0
+    if len(c["verdicts"]):
+        print("moved sequences (key#occurrence):\n" + format_moved(c["verdicts"], c["diffs"]))
+    scalars = c["diffs"][c["diffs"]["field"].isin(SCALAR_FIELDS) & (c["diffs"]["missing"] == "")]
+    for r in scalars.head(10).itertuples(index=False):
+        print(f"  step {r.step} {r.sequence} {r.field}: A {r.value_a!r} vs B {r.value_b!r}, {r.ulp:.0f} ULP")
+    print(f"FAILED: the runs differ from step {c['first']} on")
+    return 1

@@ -1,0 +1,36 @@
+"""`benchmarks/benchmark_trl_step.py --tiny` end to end on the CPU: both trainers train 4 steps of a 2-layer Qwen2 on
+the same completions, and every step's row holds its timings, its logged values and the provenance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+pd = pytest.importorskip("pandas")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_run(tmp_path):
+    out = tmp_path / "trl_step.parquet"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_trl_step.py"), "--tiny",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| tiny | trl vs ours | loss |" in proc.stdout and "| NO |" not in proc.stdout
+    rows = pd.read_parquet(out)
+    assert len(rows) == 8 and list(rows["trainer"]) == ["trl"] * 4 + ["ours"] * 4
+    assert {"device", "torch", "trl", "transformers", "git_commit", "deterministic", "tf32_matmul"} <= set(rows)
+    for _, r in rows.iterrows():
+        assert r["step"] in (1, 2, 3, 4) and r["micro_batches"] == 2  # one loss stage per micro-batch
+        assert r["generation"] == (r["step"] in (1, 3))  # 2 steps per generation of 16 completions
+        assert (r["sample_ms"] > 0 and r["score_ms"] > 0) == r["generation"]
+        assert r["step_ms"] > r["loss_fwd_ms"] >= r["loss_op_ms"] > 0 and r["loss_bwd_ms"] > 0
+    trl, ours = (rows[rows["trainer"] == t].reset_index(drop=True) for t in ("trl", "ours"))
+    assert trl["reward"].equals(ours["reward"])  # the same completions (NaN where no generation, in both)
+    assert ((trl["loss"] - ours["loss"]).abs() < 1e-3).all() and (trl["loss"].abs() > 1e-2).any()

@@ -1,0 +1,278 @@
+"""The training-run recorder (`grpo_core.recorder`) and the comparison of two recorded runs (`harness/training.py`):
+digests against a pure-Python oracle, keys, the run table, its checks, and the diff's attribution on runs made here
+with the fused linear loss (no trainer: `tests/test_trl_record.py` records TRL runs)."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from grpo_core.linear import LinearGRPOLossOp, linear_grpo_loss
+from grpo_core.recorder import LANES, PRIME, TrainingRecorder, row_digests, sequence_keys
+from harness.record import TableError
+from harness.scenarios import RegroupedLinearOp
+from harness.training import read_training_run, training_comparison
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _py_weights(n: int, salt: int) -> list[list[int]]:
+    out = []
+    for lane in range(LANES):
+        row = []
+        for i in range(n):
+            x = (i * 0x9E3779B1 + lane * 0x85EBCA77 + salt * 0xC2B2AE3D) % PRIME
+            for mult in (0x27D4EB2F, 0x165667B1):
+                x = (x ^ (x >> 15)) * mult % PRIME
+            row.append(x or 1)
+        out.append(row)
+    return out
+
+
+def _py_digest(x: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """The digest from its definition, in Python integers: each element's bit pattern in 16-bit pieces (low first),
+    a row's lanes the sums of piece x column weight mod p, a sequence's the sums of row x row weight mod p."""
+    fmt = {torch.float32: "<f", torch.bfloat16: None, torch.float16: "<e"}[x.dtype]
+    B, T = mask.shape
+    flat = x.reshape(B, T, -1)
+    out = []
+    for b in range(B):
+        lanes, ordinal = [0] * LANES, 0
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            pieces = []
+            for v in flat[b, t]:
+                if fmt is None:
+                    pieces.append(int(v.view(torch.int16)) & 0xFFFF)
+                else:
+                    word = int.from_bytes(struct.pack(fmt, float(v)), "little")
+                    pieces += [(word >> (16 * k)) & 0xFFFF for k in range(struct.calcsize(fmt) // 2)]
+            cols, rows = _py_weights(len(pieces), 1), _py_weights(T, 2)
+            for lane in range(LANES):
+                h = sum(p * cols[lane][i] % PRIME for i, p in enumerate(pieces)) % PRIME
+                lanes[lane] = (lanes[lane] + h * rows[lane][ordinal] % PRIME) % PRIME
+            ordinal += 1
+        out.append(lanes)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_digests_match_their_definition(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 7, generator=g) * 100).to(dtype)
+    mask = torch.rand(3, 5, generator=g) < 0.7
+    mask[2] = False  # a sequence without an active row: all lanes 0
+    assert row_digests(x, mask).tolist() == _py_digest(x, mask)
+    assert row_digests(x, mask)[2].tolist() == [0] * LANES
+
+
+def test_row_digests_see_every_bit_and_only_the_active_rows():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, 16, generator=g)
+    mask = torch.rand(4, 6, generator=g) < 0.6
+    mask[:, 0] = True
+    base = row_digests(x, mask)
+    # padding and batch position never enter: other values under the mask, the sequences reordered, a longer padding
+    y = torch.where(mask[..., None], x, torch.randn(4, 6, 16, generator=g))
+    assert torch.equal(row_digests(y, mask), base)
+    perm = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(row_digests(x[perm], mask[perm]), base[perm])
+    padded, pmask = torch.nn.functional.pad(x, (0, 0, 3, 0)), torch.nn.functional.pad(mask, (3, 0))
+    assert torch.equal(row_digests(padded, pmask), base)
+    # one bit anywhere in an active row moves every lane of that sequence's digest, and no other sequence's
+    for b, t, h, bit in ((0, 0, 0, 0), (1, int(mask[1].nonzero()[-1]), 15, 31), (3, 0, 7, 22)):
+        z = x.clone()
+        z.view(torch.int32)[b, t, h] ^= 1 << bit
+        moved = row_digests(z, mask) != base
+        assert moved[b].all() and not moved[[i for i in range(4) if i != b]].any()
+    # -0.0 is not +0.0, and swapping two rows of a sequence is a change
+    z = x.clone()
+    z[0, 0, 0] = 0.0
+    w = z.clone()
+    w[0, 0, 0] = -0.0
+    assert (row_digests(z, mask)[0] != row_digests(w, mask)[0]).all()
+    rows = mask[0].nonzero().flatten()[:2]
+    z = x.clone()
+    z[0, rows] = x[0, rows.flip(0)]
+    assert (row_digests(z, mask)[0] != base[0]).all()
+
+
+def test_sequence_keys_read_the_active_tokens_only():
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 9]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    prompt, pmask = torch.tensor([[0, 3], [0, 3]]), torch.tensor([[0, 1], [0, 1]])
+    k = sequence_keys(ids, mask, prompt, pmask)
+    assert k[0] == k[1] and len(k[0]) == 16
+    assert sequence_keys(ids, mask, torch.tensor([[0, 4], [0, 3]]), pmask)[0] != k[0]  # the prompt is in the key
+    assert sequence_keys(ids[:, :3], mask[:, :3], prompt[:, 1:], pmask[:, 1:]) == k  # padding is not
+
+
+def _batch(seed: int, B: int = 8, T: int = 6, H: int = 16, V: int = 40) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[:, 0] = True
+    return dict(hidden=torch.randn(B, T, H, generator=g) * 2, weight=torch.randn(V, H, generator=g) * 0.3,
+                ids=torch.randint(0, V, (B, T), generator=g), old=-torch.rand(B, T, generator=g) * 3 - 2,
+                rewards=torch.randn(B, generator=g), mask=mask, prompt=torch.randint(0, V, (B, 3), generator=g))
+
+
+def record_run(folder: Path, steps: int = 3, op_at: dict | None = None, micro: int = 1) -> None:
+    """A run of the fused linear loss: `steps` steps over the same 8 sequences in `micro` micro-batches (the
+    hidden states change by step), with a planted op at the steps `op_at` names."""
+    rec = TrainingRecorder(folder, metadata={"world_size": 1, "gradient_accumulation_steps": micro,
+                                             "per_device_train_batch_size": 8 // micro})
+    for step in range(1, steps + 1):
+        b = _batch(step)
+        size = 8 // micro
+        for m in range(micro):
+            s = slice(m * size, (m + 1) * size)
+            h = b["hidden"][s].clone().requires_grad_(True)
+            kw = dict(completion_mask=b["mask"][s], advantages=b["rewards"][s], beta=0.0, kernels="torch")
+            with planted(bool(op_at and step in op_at)):
+                res = linear_grpo_loss(h, b["weight"], b["ids"][s], b["old"][s], None, **kw)
+            rec.record(res, step=step, input=h, completion_ids=b["ids"][s], completion_mask=b["mask"][s],
+                       prompt_ids=b["prompt"][s], old_logps=b["old"][s], micro_batch=m)
+            res.loss.backward()
+    rec.close()
+
+
+@contextlib.contextmanager
+def planted(on: bool = True):
+    """The harness's planted drift (the regrouped token sum) in every fused linear loss while `on`."""
+    if not on:
+        yield
+        return
+    with mock.patch.object(LinearGRPOLossOp, "_token_sum", staticmethod(RegroupedLinearOp._token_sum)):
+        yield
+
+
+def test_recorded_run_reads_back_with_its_bits(tmp_path):
+    record_run(tmp_path / "a", micro=2)
+    df, meta = read_training_run(tmp_path / "a")
+    assert sorted(p.name for p in (tmp_path / "a" / "rank-00000").iterdir()) == [
+        "step-0000001.parquet", "step-0000002.parquet", "step-0000003.parquet"]
+    assert meta["steps"] == 3 and meta["ranks"] == [0] and meta["metadata"]["gradient_accumulation_steps"] == 2
+    seq = df[df["field"] == "per_sequence_policy"]
+    assert len(seq) == 24 and seq.groupby("step")["sequence"].nunique().eq(8).all()
+    # the values are the loss's: step 1's micro-batch 0 again, compared as bit patterns
+    b = _batch(1)
+    res = linear_grpo_loss(b["hidden"][:4], b["weight"], b["ids"][:4], b["old"][:4], None,
+                           completion_mask=b["mask"][:4], advantages=b["rewards"][:4], beta=0.0, kernels="torch")
+    keys = sequence_keys(b["ids"][:4], b["mask"][:4], b["prompt"][:4])
+    got = seq[seq["step"] == 1].set_index("sequence").loc[keys, "bits"].tolist()
+    assert got == res.per_sequence_policy.view(torch.int32).tolist()
+    assert set(df[df["step"] == 1]["field"]) == {"loss", "policy_loss", "kl", "per_sequence_policy", "per_sequence_kl",
+                                                "advantages", "per_sequence_active_tokens", "input_digest",
+                                                "logps_digest", "grad_digest"}
+
+
+def test_same_run_is_identical_and_a_planted_loss_change_is_named(tmp_path):
+    record_run(tmp_path / "a")
+    record_run(tmp_path / "b")
+    record_run(tmp_path / "planted", op_at={2})
+    same = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert same["first"] is None and same["diffs"].empty
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "planted"))
+    assert c["first"] == 2
+    v = c["verdicts"]
+    assert set(v["step"]) == {2} and set(v["cause"]) == {"loss"} and len(v) > 0
+    assert (v["max_ulp"] > 0).all()
+    proc = subprocess.run([sys.executable, "-m", "harness", "diff", str(tmp_path / "a"), str(tmp_path / "planted")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "first step where anything moved: 2" in proc.stdout and "0 upstream of the loss" in proc.stdout
+    assert "FAILED: the runs differ from step 2 on" in proc.stdout
+
+
+def test_upstream_and_missing_sequences_are_told_apart(tmp_path):
+    record_run(tmp_path / "a")
+    rec = TrainingRecorder(tmp_path / "b")  # step 2's hidden states of sequence 0 moved, sequence 7 of step 3 dropped
+    for step in range(1, 4):
+        b = _batch(step)
+        if step == 2:
+            b["hidden"][0, 0, 0] = torch.nextafter(b["hidden"][0, 0, 0], torch.tensor(1e9))
+        n = 7 if step == 3 else 8
+        h = b["hidden"][:n].clone().requires_grad_(True)
+        res = linear_grpo_loss(h, b["weight"], b["ids"][:n], b["old"][:n], None, completion_mask=b["mask"][:n],
+                               advantages=b["rewards"][:n], beta=0.0, kernels="torch")
+        rec.record(res, step=step, input=h, completion_ids=b["ids"][:n], completion_mask=b["mask"][:n],
+                   prompt_ids=b["prompt"][:n], old_logps=b["old"][:n])
+        res.loss.backward()
+    rec.close()
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    steps = c["steps"].set_index("step")
+    assert c["first"] == 2
+    assert c["verdicts"][c["verdicts"]["step"] == 2]["cause"].tolist() == ["upstream"]
+    assert steps.loc[3, "only_in_A"] == 1 and steps.loc[3, "only_in_B"] == 0
+    assert not c["scalars"] or steps.loc[3, "scalar_moved"]
+
+
+def test_a_tampered_step_file_is_refused_in_one_line(tmp_path):
+    record_run(tmp_path / "a")
+    path = tmp_path / "a" / "rank-00000" / "step-0000002.parquet"
+    table = pq.read_table(path)
+    df = table.to_pandas()
+    df.loc[df["field"] == "per_sequence_kl", "value"] += 1.0
+    pq.write_table(table.from_pandas(df, schema=table.schema, preserve_index=False), path)
+    proc = subprocess.run([sys.executable, "-m", "harness", "diff", str(tmp_path / "a"), str(tmp_path / "a")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "value vs bits" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    with pytest.raises(TableError, match="value vs bits"):
+        read_training_run(tmp_path / "a")
+
+
+def test_recorder_refuses_bad_calls(tmp_path):
+    record_run(tmp_path / "a", steps=1)
+    with pytest.raises(ValueError, match="record_dir: expected a new folder"):
+        TrainingRecorder(tmp_path / "a")
+    with pytest.raises(ValueError, match="rank: expected an int >= 0, got -1"):
+        TrainingRecorder(tmp_path / "b", rank=-1)
+    rec = TrainingRecorder(tmp_path / "b")
+    b = _batch(0)
+    res = linear_grpo_loss(b["hidden"], b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                           advantages=b["rewards"], beta=0.0, kernels="torch")
+    args = dict(input=b["hidden"], completion_ids=b["ids"], completion_mask=b["mask"])
+    rec.record(res, step=3, **args)
+    with pytest.raises(ValueError, match="step: expected at least the last recorded step 3, got 2"):
+        rec.record(res, step=2, **args)
+    with pytest.raises(ValueError, match=r"sequences: expected \(lo, hi\) with hi - lo = 8"):
+        rec.record(res, step=3, sequences=(1, 8), **args)
+    with pytest.raises(ValueError, match="micro_batch: expected an int >= 0"):
+        rec.record(res, step=3, micro_batch=-1, **args)
+
+
+def test_a_long_run_reads_and_diffs_in_seconds(tmp_path):
+    """1,000 steps x 64 sequences, written as the recorder writes them (one file per step): the time is printed,
+    not asserted."""
+    import pyarrow as pa
+    from grpo_core.recorder import schema
+    rng = torch.Generator().manual_seed(0)
+    keys = [f"{i:016x}" for i in range(64)]
+    folder = tmp_path / "long" / "rank-00000"
+    folder.mkdir(parents=True)
+    meta = {b"grpo_core": b'{"kind": "training", "rank": 0, "metadata": {}}'}
+    for step in range(1, 1001):
+        vals = torch.randn(64, generator=rng)
+        rows = [dict(step=step, sequence=k, field="per_sequence_policy", value=float(v),
+                     bits=int(v.view(torch.int32)), digest=None, generation=0, micro_batch=0, rank=0, order=i)
+                for i, (k, v) in enumerate(zip(keys, vals))]
+        rows += [dict(step=step, sequence=k, field="input_digest", value=None, bits=None, digest="0" * 32,
+                      generation=0, micro_batch=0, rank=0, order=64 + i) for i, k in enumerate(keys)]
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema()).replace_schema_metadata(meta),
+                       folder / f"step-{step:07d}.parquet")
+    start = time.monotonic()
+    c = training_comparison(str(tmp_path / "long"), str(tmp_path / "long"))
+    print(f"1000 steps x 64 sequences (128,000 rows a run): read twice and compared in "
+          f"{time.monotonic() - start:.1f} s")
+    assert c["first"] is None and len(c["steps"]) == 1000 and c["steps"]["sequences"].eq(64).all()
