@@ -16,9 +16,10 @@ coefficient needs every log-prob of its sequence; the first pass computes only t
 when the forward returns and are scaled by `grad_output` in the backward (exact when it is 1.0, as after
 `loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in fp32 until then).
 
-The per-token log-probs then give the loss exactly as the logits op's deterministic path does (`canonical.py`: the
-token terms, `pair_sum` over `padded_seq_len`, per-sequence vectors gathered over DP, the normalizer). Every sum
-has a shape fixed by the contract:
+The per-token log-probs then give the loss exactly as the logits op's deterministic path does: the same stages
+(`distributed/grpo_loss.py`: the advantages, the token terms with `pair_sum` over `padded_seq_len`, per-sequence
+vectors gathered over DP, the finish with the normalizer, the checks, the gradient's coefficients, the result).
+Every sum has a shape fixed by the contract:
 - a logit is a dot over H by the kernels' one fixed order, the same for any token, batch, chunk and shard;
 - vocabulary statistics: the canonical tiles, merged in global tile order over TP;
 - `dH`, a sum over the vocabulary: a left fold over the vocabulary in fixed steps, started from 0.0 on TP rank 0
