@@ -174,7 +174,7 @@ def test_recorded_run_reads_back_with_its_bits(tmp_path):
     assert got == res.per_sequence_policy.view(torch.int32).tolist()
     assert set(df[df["step"] == 1]["field"]) == {"loss", "policy_loss", "kl", "per_sequence_policy", "per_sequence_kl",
                                                 "advantages", "per_sequence_active_tokens", "input_digest",
-                                                "logps_digest", "grad_digest"}
+                                                "logps_digest", "grad_digest", "grad_mantissa_digest"}
 
 
 def test_same_run_is_identical_and_a_planted_loss_change_is_named(tmp_path):
@@ -276,3 +276,11 @@ def test_a_long_run_reads_and_diffs_in_seconds(tmp_path):
     print(f"1000 steps x 64 sequences (128,000 rows a run): read twice and compared in "
           f"{time.monotonic() - start:.1f} s")
     assert c["first"] is None and len(c["steps"]) == 1000 and c["steps"]["sequences"].eq(64).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mantissas_are_blind_to_a_power_of_two_and_nothing_else(dtype):
+    from grpo_core.recorder import mantissas
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert torch.equal(mantissas(x), mantissas(x * 4)) and torch.equal(mantissas(x), mantissas(x / 2))
+    assert not torch.equal(mantissas(x), mantissas(x * 3)) and not torch.equal(mantissas(x), mantissas(-x))
