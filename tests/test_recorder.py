@@ -284,3 +284,19 @@ def test_mantissas_are_blind_to_a_power_of_two_and_nothing_else(dtype):
     x = torch.randn(64, generator=torch.Generator().manual_seed(2)).to(dtype)
     assert torch.equal(mantissas(x), mantissas(x * 4)) and torch.equal(mantissas(x), mantissas(x / 2))
     assert not torch.equal(mantissas(x), mantissas(x * 3)) and not torch.equal(mantissas(x), mantissas(-x))
+
+
+def test_a_rank_records_its_own_sequences_of_a_whole_batch_result(tmp_path):
+    """The contract path's result covers the whole batch on every DP rank: `sequences=(lo, hi)` picks this rank's."""
+    b = _batch(4)
+    res = linear_grpo_loss(b["hidden"], b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                           advantages=b["rewards"], beta=0.0, kernels="torch")
+    rec = TrainingRecorder(tmp_path / "r", rank=1)
+    rec.record(res, step=1, input=b["hidden"][4:], completion_ids=b["ids"][4:], completion_mask=b["mask"][4:],
+               prompt_ids=b["prompt"][4:], sequences=(4, 8))
+    rec.close()
+    df, meta = read_training_run(tmp_path / "r")
+    assert meta["ranks"] == [1]
+    got = df[df["field"] == "per_sequence_kl"].set_index("sequence").loc[
+        sequence_keys(b["ids"][4:], b["mask"][4:], b["prompt"][4:]), "bits"].tolist()
+    assert got == res.per_sequence_kl[4:].view(torch.int32).tolist()
