@@ -31,6 +31,7 @@ prime 2**31 - 1 of the 16-bit pieces of the bit patterns).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,6 +57,7 @@ SCALAR_FIELDS = ("loss", "policy_loss", "kl")
 COLUMNS = ("step", "sequence", "field", "value", "bits", "digest", "generation", "micro_batch", "rank", "order")
 
 
+@functools.lru_cache(maxsize=16)
 def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
     """`[LANES, n]` int64 in [1, PRIME): fixed pseudo-random multipliers (a splitmix-style integer hash of the index,
     computed in int64 so that every device makes the same ones)."""
