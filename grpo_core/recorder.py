@@ -31,6 +31,7 @@ prime 2**31 - 1 of the 16-bit pieces of the bit patterns).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -50,11 +51,13 @@ LANES = 4
 _CHUNK = 1 << 22  # digest elements per step (bounds the int64 temporaries)
 SEQUENCE_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens",
                    "per_sequence_entropy")
-DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest")
+DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest", "grad_mantissa_digest")
+_SIGN_AND_MANTISSA = {torch.float32: 0x807FFFFF, torch.bfloat16: 0x807F, torch.float16: 0x83FF}
 SCALAR_FIELDS = ("loss", "policy_loss", "kl")
 COLUMNS = ("step", "sequence", "field", "value", "bits", "digest", "generation", "micro_batch", "rank", "order")
 
 
+@functools.lru_cache(maxsize=16)
 def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
     """`[LANES, n]` int64 in [1, PRIME): fixed pseudo-random multipliers (a splitmix-style integer hash of the index,
     computed in int64 so that every device makes the same ones)."""
@@ -104,6 +107,16 @@ def row_digests(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = h * row_w[:, ordinal[start:start + per_chunk]].T % PRIME
         out.index_add_(0, seq[start:start + per_chunk], h)  # < 2**31 per row: no overflow below 2**32 rows
     return out % PRIME
+
+
+def mantissas(x: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of `x` with the exponent bits cleared (sign and mantissa kept): unchanged when `x` is scaled
+    by a power of two (normal numbers and zeros)."""
+    if x.dtype not in _SIGN_AND_MANTISSA:
+        raise LossContractError(f"grad: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+    width = 8 * x.element_size()
+    mask = _SIGN_AND_MANTISSA[x.dtype] - (1 << width)  # the sign bit is set: as a signed integer of that width
+    return x.contiguous().view(torch.int32 if width == 32 else torch.int16) & mask
 
 
 def _hex(digests: torch.Tensor) -> list[str]:
@@ -201,6 +214,7 @@ class TrainingRecorder:
         if input.requires_grad and torch.is_grad_enabled():
             def hook(grad: torch.Tensor) -> None:
                 call["grad_digest"] = row_digests(grad, mask)
+                call["grad_mantissa_digest"] = row_digests(mantissas(grad), mask)
             input.register_hook(hook)
         self._calls.append(call)
 

@@ -174,7 +174,7 @@ def test_recorded_run_reads_back_with_its_bits(tmp_path):
     assert got == res.per_sequence_policy.view(torch.int32).tolist()
     assert set(df[df["step"] == 1]["field"]) == {"loss", "policy_loss", "kl", "per_sequence_policy", "per_sequence_kl",
                                                 "advantages", "per_sequence_active_tokens", "input_digest",
-                                                "logps_digest", "grad_digest"}
+                                                "logps_digest", "grad_digest", "grad_mantissa_digest"}
 
 
 def test_same_run_is_identical_and_a_planted_loss_change_is_named(tmp_path):
@@ -276,3 +276,27 @@ def test_a_long_run_reads_and_diffs_in_seconds(tmp_path):
     print(f"1000 steps x 64 sequences (128,000 rows a run): read twice and compared in "
           f"{time.monotonic() - start:.1f} s")
     assert c["first"] is None and len(c["steps"]) == 1000 and c["steps"]["sequences"].eq(64).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mantissas_are_blind_to_a_power_of_two_and_nothing_else(dtype):
+    from grpo_core.recorder import mantissas
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert torch.equal(mantissas(x), mantissas(x * 4)) and torch.equal(mantissas(x), mantissas(x / 2))
+    assert not torch.equal(mantissas(x), mantissas(x * 3)) and not torch.equal(mantissas(x), mantissas(-x))
+
+
+def test_a_rank_records_its_own_sequences_of_a_whole_batch_result(tmp_path):
+    """The contract path's result covers the whole batch on every DP rank: `sequences=(lo, hi)` picks this rank's."""
+    b = _batch(4)
+    res = linear_grpo_loss(b["hidden"], b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                           advantages=b["rewards"], beta=0.0, kernels="torch")
+    rec = TrainingRecorder(tmp_path / "r", rank=1)
+    rec.record(res, step=1, input=b["hidden"][4:], completion_ids=b["ids"][4:], completion_mask=b["mask"][4:],
+               prompt_ids=b["prompt"][4:], sequences=(4, 8))
+    rec.close()
+    df, meta = read_training_run(tmp_path / "r")
+    assert meta["ranks"] == [1]
+    got = df[df["field"] == "per_sequence_kl"].set_index("sequence").loc[
+        sequence_keys(b["ids"][4:], b["mask"][4:], b["prompt"][4:]), "bits"].tolist()
+    assert got == res.per_sequence_kl[4:].view(torch.int32).tolist()
