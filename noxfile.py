@@ -3,12 +3,15 @@
 Each session keeps its virtualenv under `.nox/` between calls and installs into it only when it is new or when
 `pyproject.toml` or `constraints-cpu.txt` changed since (a stamp in the virtualenv records what was installed), so
 after the first call a session starts in seconds. `-R` still works; `nox --no-venv` (a machine that already has
-torch, e.g. the GPU image) installs nothing. The harness and report arguments are checked before any install.
+torch, e.g. the GPU image) installs nothing. The harness and report arguments are checked before nox makes a
+virtualenv: a mistake is one line and exit code 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -28,13 +31,35 @@ PINS = ("pyproject.toml", "constraints-cpu.txt")
 
 
 def _check_args(session: nox.Session, parser, argv: list[str]) -> None:
-    """Parses a session's arguments before anything is installed: a typo costs a second, not an install."""
+    """Parses a session's arguments before anything is installed: a typo costs a second, not an install. A mistake
+    is argparse's one line and exit code 2, like the harness's own (nox would make it 1)."""
     try:
         parser.parse_args(argv)
     except SystemExit as exc:
         if exc.code:
-            session.error(f"bad arguments for {parser.prog} (the line above says which)")
+            raise  # through nox: its exit code is 2
         session.skip("help printed")
+
+
+# The commands each session hands its arguments to (`-- ARGS`), checked before nox makes any virtualenv.
+COMMAND_ARGS = {"determinism": (harness_parser, ["run"]), "goldens": (harness_parser, ["goldens"]),
+                "report": (reports_parser, [])}
+
+
+def _check_command_line(argv: list[str]) -> None:
+    """Checks the arguments after `--` of the sessions that nox's command line names (`-s`; none: the defaults) as
+    soon as nox loads this file, before it makes a virtualenv (the sessions check them again, for `-k` / `-t`)."""
+    if "--" not in argv:
+        return
+    at = argv.index("--")
+    named = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    named.add_argument("-s", "-e", "--session", "--sessions", dest="sessions", nargs="*", action="extend")
+    sessions = named.parse_known_args(argv[:at])[0].sessions or nox.options.sessions
+    for name in sessions:
+        if name in COMMAND_ARGS:
+            make, head = COMMAND_ARGS[name]
+            posargs = argv[at + 1:] or (["study", "--out", "runs/report"] if name == "report" else [])
+            make().parse_args([*head, *posargs])  # a mistake: one line and SystemExit(2), through nox
 
 
 def _install(session: nox.Session, extras: str) -> None:
@@ -98,3 +123,7 @@ def report(session: nox.Session) -> None:
     _check_args(session, reports_parser(), argv)
     _install(session, "harness")
     session.run("python", "-m", "reports", *argv)
+
+
+if os.path.basename(sys.argv[0]) == "nox" or sys.argv[0].endswith(os.path.join("nox", "__main__.py")):
+    _check_command_line(sys.argv[1:])

@@ -1,8 +1,11 @@
 """GRPO from scratch on a toy task: continue a prompt of digits with the same digits sorted.
 
-    python examples/grpo_toy.py --steps 150 --plot reward.png          # CPU, native backend
-    python examples/grpo_toy.py --device cuda --backend triton         # GPU, fused Triton backend
-    python examples/grpo_toy.py --contract                             # the contract path (get_loss_op)
+    .nox/determinism/bin/python examples/grpo_toy.py --steps 150 --plot runs/toy/reward.png   # CPU, native
+    python examples/grpo_toy.py --device cuda --backend triton    # GPU (an interpreter with torch and triton)
+    .nox/determinism/bin/python examples/grpo_toy.py --contract   # the contract path (get_loss_op)
+
+`.nox/determinism/bin/python` is the interpreter `nox -s determinism` makes (the README's "Which Python"); any
+interpreter with grpo-core and torch installed runs it too. `--plot` makes the file's folder when it is missing.
 
 Threads: one by default (`--threads`); the model is tiny, and on a shared 2-core CPU torch's default (one per core)
 made each step 3-12x slower. The final line names the threads and the machine next to the step time.
@@ -26,9 +29,10 @@ from pathlib import Path
 try:
     import torch
     import torch.nn as nn
-except ModuleNotFoundError as exc:  # the system python3, say: one line, not a traceback
-    sys.exit(f"grpo_toy.py: error: {exc.name}: expected an interpreter with grpo-core installed (torch), got "
-             f"{sys.executable}, which lacks it; see the README's \"Which Python\"")
+except ModuleNotFoundError as exc:  # the system python3, say: one line and exit code 2, not a traceback
+    print(f"grpo_toy.py: error: {exc.name}: expected an interpreter with grpo-core installed (torch), got "
+          f"{sys.executable}, which lacks it; use .nox/determinism/bin/python (README, Which Python)", file=sys.stderr)
+    sys.exit(2)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpo_core import GRPOLossContract, kernel_registry  # noqa: E402
@@ -170,25 +174,36 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             p.error("--backend: expected native or nothing with --device cpu (the Triton kernels need CUDA, or "
                     "TRITON_INTERPRET=1 for the CPU interpreter), got triton")
-    if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
-        p.error(f"--plot: expected a file in an existing folder, got {args.plot} (no folder "
-                f"{Path(args.plot).resolve().parent})")
+    if args.plot is not None:
+        folder = Path(args.plot).resolve().parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            p.error(f"--plot: expected a file in a folder that exists or can be made, got {args.plot} (cannot make "
+                    f"{folder}: {err.strerror})")
+        if Path(args.plot).is_dir():
+            p.error(f"--plot: expected a file, got {args.plot}, which is a folder")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2 (argparse prints its whole usage block first)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=150)
+    p = Parser(prog="grpo_toy.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps of rollouts (default 150)")
     p.add_argument("--backend", choices=["native", "triton"], default=None, help="default: automatic")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default cpu)")
     p.add_argument("--normalizer", default="global_active_tokens",
-                   choices=["global_active_tokens", "per_sequence_then_mean"])
-    p.add_argument("--beta", type=float, default=0.02)
-    p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
+                   choices=["global_active_tokens", "per_sequence_then_mean"], help="default global_active_tokens")
+    p.add_argument("--beta", type=float, default=0.02, help="KL coefficient (default 0.02)")
+    p.add_argument("--clip", type=float, default=0.2, help="clip_eps (default 0.2)")
+    p.add_argument("--seed", type=int, default=0, help="default 0")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1; 0: torch's default, one "
                                                           "per core)")
     p.add_argument("--contract", action="store_true", help="use get_loss_op(contract) instead of get_op")
-    p.add_argument("--plot", default=None, help="write the reward curve to this PNG")
+    p.add_argument("--plot", default=None, help="write the reward curve to this PNG (its folder is made if missing)")
     args = p.parse_args()
     check_args(p, args)
     if args.threads:

@@ -1,10 +1,6 @@
-"""`python -m harness run|diff|goldens`: the determinism gate without nox.
-
-  run      every scenario on every TP x DP layout of up to --max-world ranks; bitwise diff of every topology
-           against the single-rank run and of the run against the golden; exit 1 on any drift
-  diff     two recorded runs (run folders or run.parquet files), layout with layout, bitwise; a row that one
-           run lacks is `missing`; exit 1 on any difference
-  goldens  record the goldens (explicit: never a side effect of `run`)
+"""`python -m harness COMMAND`: the determinism gate without nox. Exit codes: 0 when everything compared is
+identical, 1 on any drift, missing row, golden mismatch or a world that did not finish, 2 on a mistake in the command
+line (one line, before anything runs).
 
 There is one golden set for every platform: the canonical math gives the same bits on every machine and on the
 CPU and the GPU, so a golden recorded anywhere must hold everywhere. The one exception: the fused linear scenarios
@@ -25,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import (GOLDEN, ROOT, UsageError, from_checkout, harness_parser, missing_module, positive_int,
-                  under_torchrun, usage_error)
+from .cli import (GOLDEN, ROOT, UsageError, from_checkout, harness_parser, missing_module, under_torchrun,
+                  usage_error, world_size)
 
 try:
     import pandas as pd
@@ -34,7 +30,7 @@ try:
 
     from .diff import (SINGLE, cells_of, compare, contract_differences, describe_cell, differences, drift_first,
                        format_differences, plural, summarize, topology_differences)
-    from .golden import PORTABLE, TENSOR_CORES, read_manifest, verify_golden, write_goldens
+    from .golden import MANIFEST, PORTABLE, TENSOR_CORES, read_manifest, verify_golden, write_goldens
     from .record import TableError, git_commit, load_run, read_table, world_run, write_table
     from .scenarios import SCENARIOS
     from .topology import layouts, run_torchrun, run_world
@@ -59,6 +55,9 @@ def _scenarios(args) -> list[str]:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise UsageError(f"--scenarios: expected names from {list(SCENARIOS)}, got {unknown}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UsageError(f"--scenarios: expected each name once, got {', '.join(repeated)} more than once")
     return names
 
 
@@ -82,7 +81,7 @@ def _world(args) -> int:
     if args.max_world is not None:
         return args.max_world
     try:
-        return positive_int(os.environ.get("GRPO_MAX_WORLD", "4"))
+        return world_size(os.environ.get("GRPO_MAX_WORLD", "4"))
     except argparse.ArgumentTypeError as err:
         raise UsageError(f"GRPO_MAX_WORLD: {err}") from None
 
@@ -125,6 +124,18 @@ def golden_sets(args, names: list[str], canonical: Path) -> list[tuple[Path, lis
     return [(canonical, [n for n in names if n not in linear]), (canonical.parent / f"sm_{major}{minor}", linear)]
 
 
+def _check_kind(folder: Path, canonical: Path) -> None:
+    """The set at `folder` holds the kind of bits the run compares there (`bits` in its manifest): the canonical
+    math's where `canonical` is, the tensor cores' of its architecture in a set beside it."""
+    want = PORTABLE if folder == canonical else TENSOR_CORES.format(arch=folder.name)
+    got = read_manifest(folder).get("bits", "")
+    if got != want:
+        sibling = canonical.parent / "canonical"
+        advice = f"; pass --golden-dir {sibling}" if folder == canonical and (sibling / MANIFEST).is_file() else ""
+        raise UsageError(f"--golden-dir: expected a golden set whose bits are {want.split(':')[0]} for this run, "
+                         f"got {folder}, whose {MANIFEST} says {got.split(':')[0] or 'nothing'}{advice}")
+
+
 def _record_cmd(args, folder: Path, served: list[str] | None = None, canonical: Path | None = None) -> str:
     """How to record the golden set at `folder` (only a checkout records goldens: they are committed there); a
     per-architecture set beside `canonical` is recorded with the Triton kernels, for its `served` scenarios."""
@@ -165,8 +176,8 @@ def _claim(stamp: Path) -> Path:
 def _run_dir(args, golden_dir: Path) -> Path:
     """The run's folder: `--out` (refused when it holds a run, or lies in the golden set), or runs/<timestamp> (its
     start; `_claim`ed when the run is written)."""
-    if args.out is None:
-        return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if args.out is None:  # the checkout's runs/ (ignored by git) wherever the command starts; installed: ./runs
+        return (ROOT if from_checkout() else Path.cwd()) / "runs" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.out)
     held = [n for n in ("run.parquet", "summary.md", "summary.csv") if (run_dir / n).exists()]
     if run_dir.exists() and not run_dir.is_dir() or held:
@@ -205,9 +216,13 @@ def cmd_run(args) -> int:
                 print("determinism: FAILED (1 problem)")
             return 1
         if got is None and folder == golden_dir:
+            inside = sorted((m.parent for m in golden_dir.glob(f"*/{MANIFEST}")), key=lambda f: f.name != "canonical")
+            holds = (f"the sets {', '.join(map(str, inside))} in folders of its own: pass one, e.g. --golden-dir "
+                     f"{inside[0]}" if inside else f"none; {commands[folder]}")
             raise UsageError(f"--golden-dir: expected a folder holding a golden set (MANIFEST.json and its .parquet "
-                             f"files), got {golden_dir}, which holds none; {commands[folder]}")
+                             f"files), got {golden_dir}, which holds {holds}")
         if got is not None:  # a per-architecture set not recorded yet: its scenarios have no golden (below)
+            _check_kind(folder, golden_dir)
             parts.append(got[0][got[0]["scenario"].isin(served)])
             recorded.update({k: v for k, v in got[1].items() if k in served})
     run_dir = _run_dir(args, golden_dir)
@@ -280,18 +295,21 @@ def cmd_run(args) -> int:
 def cmd_diff(args) -> int:
     if is_training_run(args.a) or is_training_run(args.b):
         return cmd_diff_training(args.a, args.b)
-    a, _ = load_run("a", args.a)
-    b, _ = load_run("b", args.b)
+    a, _ = load_run("RUN_A", args.a)
+    b, _ = load_run("RUN_B", args.b)
+    print(f"A = {args.a}\nB = {args.b}")
+    a, b, shared = _shared_layouts(a, b)
     diffs, contracts = compare(a, b, ("A", "B")), contract_differences(a, b)
     cells = summarize(cells_of(a, b), diffs)
     other = cells.set_index(["scenario", "topology"]).index.isin(contracts.set_index(["scenario", "topology"]).index)
     cells["status"] = [f"contract differs, {st}".replace(", identical", "") if o else st
                        for st, o in zip(cells["status"], other)]
     cells = drift_first(cells)
-    print(f"A = {args.a}\nB = {args.b}")
     print(cells.to_string(index=False))
     if diffs.empty and contracts.empty:
-        print("identical")
+        print(f"identical: {plural(len(cells), 'cell')} ({plural(cells['scenario'].nunique(), 'scenario')} x "
+              f"{plural(cells['topology'].nunique(), 'layout')}{' both runs hold' * shared}), {plural(len(a), 'row')} "
+              f"compared bitwise")
         return 0
     for c in contracts.itertuples(index=False):
         print(f"  {c.scenario} {c.topology}: contract fingerprint A {c.a} vs B {c.b}")
@@ -300,8 +318,24 @@ def cmd_diff(args) -> int:
     unlike = (f"; the contracts differ in {plural(len(contracts), 'cell')} (different contracts are not the same "
               f"experiment)" if len(contracts) else "")
     print(f"FAILED: {plural(moved, 'value')} moved and {plural(gone, 'row')} missing on one side, in "
-          f"{plural(int((cells['status'] != 'identical').sum()), 'cell')}{unlike}")
+          f"{plural(int((cells['status'] != 'identical').sum()), 'cell')}{' of the layouts both runs hold' * shared}"
+          f"{unlike}")
     return 1
+
+
+def _shared_layouts(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, bool]:
+    """Runs of different worlds (world 4 against world 2) are compared on the layouts both hold, and say so."""
+    only_a, only_b = ([t for t in x["topology"].unique() if t not in set(y["topology"])] for x, y in ((a, b), (b, a)))
+    if not only_a and not only_b:
+        return a, b, False
+    shared = [t for t in a["topology"].unique() if t in set(b["topology"])]
+    print(f"The runs hold different layouts (only A: {', '.join(only_a) or 'none'}; only B: "
+          f"{', '.join(only_b) or 'none'}): " + (f"comparing the {plural(len(shared), 'layout')} both hold, "
+                                                 f"{', '.join(shared)}" if shared else "they share none"))
+    if not shared:  # nothing to compare: every row is missing on one side
+        return a, b, False
+    keep = lambda run: run[run["topology"].isin(shared)]  # noqa: E731
+    return keep(a), keep(b), True
 
 
 def cmd_goldens(args) -> int:
@@ -329,6 +363,8 @@ def cmd_goldens(args) -> int:
             except TableError as err:
                 raise UsageError(f"--scenarios: expected every scenario, since {target} fails a check ({err}); got "
                                  f"{args.scenarios}") from None
+            if existing is not None:
+                _check_kind(target, folder)
             if existing is not None and read_manifest(target)["platform"] != platform:
                 raise UsageError(f"--scenarios: expected every scenario, since {target} was recorded on "
                                  f"{read_manifest(target)['platform']} and this is {platform}; got {args.scenarios}")
@@ -358,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             usage_error("python -m harness " + args.cmd, err)
         return 2
+    except TimeoutError as err:  # a world that did not finish: one line, a failure (exit 1), not a traceback
+        print(f"python -m harness {args.cmd}: FAILED: {err} (--timeout {args.timeout:g})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,8 +28,19 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    """One line per mistake, blamed on the command that was given (`python -m harness goldens`, not the top level)."""
+
     def error(self, message: str):  # one line (argparse prints the whole usage block first)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        if commands and getattr(parsed, "cmd", None) is None:
+            self.error(f"COMMAND: expected one of {', '.join(commands)}, got nothing")
+        if extra:
+            (commands.get(getattr(parsed, "cmd", None)) or self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def usage_error(prog: str, err: UsageError) -> int:
@@ -59,8 +70,18 @@ def positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
-def positive_float(text: str) -> float:
-    return _checked(text, float, lambda v: v > 0, "a number of seconds > 0")
+MAX_WORLD = 64  # ranks the harness spawns on one host: one process each, every one importing torch
+MIN_TIMEOUT = 10.0  # seconds: a world takes seconds to start (each rank imports torch) before its first collective
+
+
+def world_size(text: str) -> int:
+    return _checked(text, int, lambda v: 1 <= v <= MAX_WORLD,
+                    f"an integer from 1 to {MAX_WORLD} (the harness spawns one process per rank on this host)")
+
+
+def timeout_seconds(text: str) -> float:
+    return _checked(text, float, lambda v: MIN_TIMEOUT <= v < float("inf"),
+                    f"a number of seconds >= {MIN_TIMEOUT:g} (a world takes seconds to start)")
 
 
 def fraction(text: str) -> float:
@@ -90,19 +111,19 @@ def harness_parser(description: str | None = None, scenarios: list[str] | None =
     no torch)."""
     p = Parser(prog="python -m harness", description=description,
                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,goldens,diff}")
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
     names = ", ".join(scenarios) if scenarios else "see python -m harness run --help"
     for name in ("run", "goldens"):
         s = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
-        s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+        s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks compute (default cpu)")
         s.add_argument("--process-group", choices=["gloo", "nccl"], default=None,
                        help="default: gloo on the CPU; NCCL with one GPU per rank; gloo when ranks share a GPU")
         s.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
-                       help="the deterministic path's kernels: auto (Triton for CUDA tensors), the Triton kernels, or "
-                            "the torch reference; all must give the golden's bits")
+                       help="the deterministic path's kernels: auto (the default: Triton for CUDA tensors), the "
+                            "Triton kernels, or the torch reference; all must give the golden's bits")
         s.add_argument("--scenarios", default=None, help=f"comma-separated names (default: all): {names}")
-        s.add_argument("--timeout", type=positive_float, default=600.0,
-                       help="seconds before a hung world is killed")
+        s.add_argument("--timeout", type=timeout_seconds, default=600.0,
+                       help=f"seconds before a hung world is killed (default 600, at least {MIN_TIMEOUT:g})")
         s.add_argument("--cuda-memory-fraction", type=fraction, default=0.2,
                        help="cap on each rank's share of its GPU's memory (default 0.2), so that a run can share a "
                             "node with a training job")
@@ -117,13 +138,15 @@ def harness_parser(description: str | None = None, scenarios: list[str] | None =
             s.add_argument("--allow-no-git", action="store_true",
                            help="record from a harness outside a git checkout (the manifest then names no commit)")
         if name == "run":
-            s.add_argument("--max-world", type=positive_int, default=None,
-                           help="largest world (default 4, or $GRPO_MAX_WORLD; under torchrun: its WORLD_SIZE)")
-            s.add_argument("--out", default=None, help="a new run folder (default: runs/<timestamp>); an existing "
-                                                       "run is never replaced")
+            s.add_argument("--max-world", type=world_size, default=None,
+                           help=f"largest world, 1 to {MAX_WORLD} (default 4, or $GRPO_MAX_WORLD; under torchrun: its "
+                                f"WORLD_SIZE)")
+            s.add_argument("--out", default=None, help="a new run folder (default: runs/<timestamp> in the checkout, "
+                                                       "wherever the command starts); an existing run is never "
+                                                       "replaced")
             s.add_argument("--plant-drift", type=layout_name, default=None, metavar="LAYOUT",
                            help="run a regrouped token-sum op at this layout (e.g. tp2xdp1): the gate must fail")
     d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
-    d.add_argument("a", help="a run folder or its run.parquet")
-    d.add_argument("b", help="a run folder or its run.parquet")
+    d.add_argument("a", metavar="RUN_A", help="a run folder or its run.parquet")
+    d.add_argument("b", metavar="RUN_B", help="a run folder or its run.parquet")
     return p

@@ -1,4 +1,4 @@
-"""`python -m reports drift A B --out DIR` | `python -m reports study --seeds 12 --out DIR`."""
+"""`python -m reports drift RUN_A RUN_B --out DIR` | `python -m reports study --seeds 12 --out DIR`."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from harness.cli import Parser, UsageError, missing_module, positive_int, usage_
 
 def parser() -> Parser:
     p = Parser(prog="python -m reports", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
     d = sub.add_parser("drift", help="compare two recorded runs (run folders or run.parquet files)")
-    d.add_argument("a", help="a run folder or its run.parquet")
-    d.add_argument("b", help="a run folder or its run.parquet")
-    d.add_argument("--out", required=True)
+    d.add_argument("a", metavar="RUN_A", help="a run folder or its run.parquet")
+    d.add_argument("b", metavar="RUN_B", help="a run folder or its run.parquet")
+    d.add_argument("--out", required=True, help="the report's folder (report.md, report.html); required")
     s = sub.add_parser("study", help="regrouped token sums over seeds: vector versus scalar")
-    s.add_argument("--seeds", type=positive_int, default=12)
+    s.add_argument("--seeds", type=positive_int, default=12, help="seeds to run (default 12)")
     s.add_argument("--sequences", type=positive_int, default=8, help="sequences per seed, a multiple of 4 (default 8)")
     s.add_argument("--tokens", type=positive_int, default=128, help="tokens per sequence (default 128)")
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", required=True, help="the report's folder (report.md, report.html); required")
     return p
 
 

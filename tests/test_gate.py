@@ -4,6 +4,7 @@ and exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib
 import json
@@ -122,7 +123,7 @@ def _without(df: pd.DataFrame, what: str) -> pd.DataFrame:
     return df.drop(index=df.index[(df["field"] == "per_sequence_kl") & (df["index"] == 3)][:1])  # a row
 
 
-@pytest.mark.parametrize("what", ["everything", "a scenario", "a layout", "a row"])
+@pytest.mark.parametrize("what", ["everything", "a scenario", "a row"])
 def test_diff_counts_rows_on_one_side_only_as_missing(runs, tmp_path, capsys, what):
     df, meta = read_table(runs["clean"] / "run.parquet")
     write_table(_without(df, what).to_dict("records"), tmp_path / "run.parquet", meta)
@@ -134,10 +135,37 @@ def test_diff_counts_rows_on_one_side_only_as_missing(runs, tmp_path, capsys, wh
         assert not re.search(r"\bnan\b", proc.stdout, re.I)
 
 
-def test_diff_accepts_run_folders(runs, capsys):
+def test_diff_accepts_run_folders_and_ends_identical_runs_with_a_count(runs, capsys):
     proc = cli(capsys, "harness", "diff", str(runs["clean"]), str(runs["clean"]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1] == "identical"
+    rows = len(read_table(runs["clean"] / "run.parquet")[0])
+    assert proc.stdout.splitlines()[-1] == f"identical: 6 cells (2 scenarios x 3 layouts), {rows} rows compared bitwise"
+
+
+def test_diff_of_runs_of_different_worlds_compares_the_layouts_both_hold(runs, tmp_path, capsys):
+    """A world-1 run against a world-2 run: said in one line, then the shared layout is compared (its rows are not
+    `missing`); a moved value there still fails."""
+    df, meta = read_table(runs["clean"] / "run.parquet")
+    single = df[df["topology"] == "tp1xdp1"]
+    write_table(single.to_dict("records"), tmp_path / "w1" / "run.parquet", meta)
+    for a, b, only in ((runs["clean"], tmp_path / "w1", "only A: tp2xdp1, tp1xdp2; only B: none"),
+                       (tmp_path / "w1", runs["clean"], "only A: none; only B: tp2xdp1, tp1xdp2")):
+        proc = cli(capsys, "harness", "diff", str(a), str(b))
+        assert proc.returncode == 0, proc.stdout
+        assert (f"The runs hold different layouts ({only}): comparing the 1 layout both hold, tp1xdp1"
+                in proc.stdout.splitlines())
+        assert proc.stdout.splitlines()[-1] == (f"identical: 2 cells (2 scenarios x 1 layout both runs hold), "
+                                                f"{len(single)} rows compared bitwise")
+        assert "missing in the" not in proc.stdout and "missing on one side" not in proc.stdout
+    moved = single.copy()
+    row = (moved["scenario"] == "identity") & (moved["field"] == "per_sequence_kl") & (moved["index"] == 0)
+    moved.loc[row, "bits"] += 1
+    moved.loc[row, "value"] = float(torch.tensor(int(moved.loc[row, "bits"].iloc[0]), dtype=torch.int32).view(
+        torch.float32))
+    write_table(moved.to_dict("records"), tmp_path / "moved" / "run.parquet", meta)
+    proc = cli(capsys, "harness", "diff", str(runs["clean"]), str(tmp_path / "moved"))
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == (
+        "FAILED: 1 value moved and 0 rows missing on one side, in 1 cell of the layouts both runs hold")
 
 
 # --- one line and exit code 2 for a user mistake ---------------------------------------------------------------------
@@ -150,20 +178,44 @@ def _not_a_run(tmp_path: Path) -> Path:
 
 
 USAGE = [  # (module, arguments, what the line must name); {tmp} is a scratch folder, {not_a_run} a folder without run
-    ("harness", ["run", "--max-world", "0"], "--max-world: expected an integer >= 1, got 0"),
+    ("harness", ["run", "--max-world", "0"], "--max-world: expected an integer from 1 to 64"),
     ("harness", ["run", "--max-world", "2", "--scenarios", "identity", "--plant-drift", "tp9xdp9"],
      "--plant-drift: expected one of this run's layouts (tp1xdp1, tp2xdp1, tp1xdp2), got tp9xdp9"),
     ("harness", ["run", "--max-world", "2", "--scenarios", "identity", "--plant-drift", "tp4xdp1"],
      "--plant-drift: expected one of this run's layouts (tp1xdp1, tp2xdp1, tp1xdp2), got tp4xdp1"),
     ("harness", ["run", "--scenarios", "identity", "--plant-drift", "tp2"], "--plant-drift: expected a layout"),
     ("harness", ["run", "--scenarios", "identity,nope"], "--scenarios: expected names from"),
-    ("harness", ["run", "--scenarios", "identity", "--timeout", "0"], "--timeout: expected a number of seconds > 0"),
-    ("harness", ["diff", "{tmp}/absent", "{tmp}/absent"], "a: expected a run folder or a run.parquet file, got"),
-    ("harness", ["diff", "{not_a_run}", "{not_a_run}"], "a: expected a run folder or a run.parquet file, got"),
+    ("harness", ["run", "--scenarios", "identity", "--timeout", "0"], "--timeout: expected a number of seconds >= 10"),
+    ("harness", ["run", "--scenarios", "identity", "--timeout", "1e-9", "--out", "{tmp}/run"],
+     "--timeout: expected a number of seconds >= 10 (a world takes seconds to start), got 1e-9"),
+    ("harness", ["run", "--scenarios", "identity", "--timeout", "inf"], "--timeout: expected a number of seconds"),
+    ("harness", ["run", "--max-world", "1000", "--scenarios", "identity", "--out", "{tmp}/run"],
+     "--max-world: expected an integer from 1 to 64 (the harness spawns one process per rank on this host), got 1000"),
+    ("harness", ["run", "--scenarios", "identity,identity", "--out", "{tmp}/run"],
+     "--scenarios: expected each name once, got identity more than once"),
+    ("harness", ["goldens", "--scenarios", "identity,identity", "--allow-dirty", "--golden-dir", "{tmp}/g"],
+     "--scenarios: expected each name once, got identity more than once"),
+    ("harness", ["run", "--scenarios", "identity", "--golden-dir", "{golden}/sm_90", "--out", "{tmp}/run"],
+     "--golden-dir: expected a golden set whose bits are portable for this run, got {golden}/sm_90, whose "
+     "MANIFEST.json says per GPU architecture (sm_90); pass --golden-dir {golden}/canonical"),
+    ("harness", ["run", "--scenarios", "identity", "--golden-dir", "{golden}", "--out", "{tmp}/run"],
+     "--golden-dir: expected a folder holding a golden set (MANIFEST.json and its .parquet files), got {golden}, "
+     "which holds the sets {golden}/canonical, {golden}/sm_90 in folders of its own: pass one, e.g. --golden-dir "
+     "{golden}/canonical"),
+    ("harness", [], "python -m harness: error: COMMAND: expected one of run, goldens, diff, got nothing"),
+    ("harness", ["goldens", "--out", "{tmp}/g"], "python -m harness goldens: error: unrecognized arguments: --out"),
+    ("harness", ["diff", "{tmp}/absent"], "python -m harness diff: error: the following arguments are required: "
+                                          "RUN_B"),
+    ("harness", ["diff", "{tmp}/absent", "{tmp}/absent"], "RUN_A: expected a run folder or a run.parquet file, got"),
+    ("harness", ["diff", "{not_a_run}", "{not_a_run}"], "RUN_A: expected a run folder or a run.parquet file, got"),
     ("harness", ["diff", "{not_a_run}/summary.csv", "{not_a_run}"], "not a Parquet file"),
     ("reports", ["study", "--seeds", "0", "--out", "{tmp}/study"], "--seeds: expected an integer >= 1, got 0"),
     ("reports", ["drift", "{tmp}/absent", "{not_a_run}", "--out", "{tmp}/r"],
      "a: expected a run folder or a run.parquet file, got"),
+    ("reports", [], "python -m reports: error: COMMAND: expected one of drift, study, got nothing"),
+    ("reports", ["drift", "{tmp}/absent"], "the following arguments are required: RUN_B, --out"),
+    ("reports", ["study", "--out", "{tmp}/s", "--bogus"], "python -m reports study: error: unrecognized arguments: "
+                                                          "--bogus"),
 ]
 if not torch.cuda.is_available():
     USAGE += [("harness", ["run", "--device", "cuda", "--scenarios", "identity"], "--device: expected cpu"),
@@ -171,18 +223,49 @@ if not torch.cuda.is_available():
                "--device: expected cpu")]
 
 
-@pytest.mark.parametrize("module,args,names", USAGE, ids=[" ".join(u[1][:3]) for u in USAGE])
+@pytest.mark.parametrize("module,args,names", USAGE, ids=[" ".join([u[0], *u[1]]) for u in USAGE])
 def test_user_mistakes_get_one_line_and_exit_2(tmp_path, capsys, module, args, names):
-    fill = {"tmp": str(tmp_path), "not_a_run": str(_not_a_run(tmp_path))}
+    fill = {"tmp": str(tmp_path), "not_a_run": str(_not_a_run(tmp_path)), "golden": str(GOLDEN.parent)}
     argv = [a.format(**fill) for a in args]
     # Two through a real interpreter (what a user sees), the others in this process (the same code, faster).
-    real = args == ["run", "--max-world", "0"] or args[:2] == ["diff", "{tmp}/absent"]
+    real = args == ["run", "--max-world", "0"] or args[:3] == ["diff", "{tmp}/absent", "{tmp}/absent"]
     proc = python_m(module, *argv) if real else cli(capsys, module, *argv)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and names in lines[0], proc.stderr
-    assert not (tmp_path / "g").exists()  # nothing recorded
+    assert len(lines) == 1 and names.format(**fill) in lines[0], proc.stderr
+    assert not (tmp_path / "g").exists() and not (tmp_path / "run").exists()  # nothing recorded, before the world
+
+
+def test_max_world_from_the_environment_has_the_same_bound(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GRPO_MAX_WORLD", "1000")
+    proc = cli(capsys, "harness", "run", "--scenarios", "identity", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "python -m harness run: error: GRPO_MAX_WORLD: expected an integer from 1 to 64 (the harness spawns one "
+        "process per rank on this host), got 1000")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_world_that_does_not_finish_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
+    import harness.__main__ as entry
+
+    def hung(*args, **kwargs):
+        raise TimeoutError("world of 1 ranks (gloo, cpu) did not finish within 10 s")
+    monkeypatch.setattr(entry, "_record", hung)
+    proc = cli(capsys, "harness", "run", "--max-world", "1", "--scenarios", "identity", "--timeout", "10", "--out",
+               str(tmp_path / "run"))
+    assert proc.returncode == 1 and proc.stderr.strip() == ("python -m harness run: FAILED: world of 1 ranks (gloo, "
+                                                           "cpu) did not finish within 10 s (--timeout 10)")
+
+
+def test_runs_land_in_the_checkouts_runs_folder_wherever_the_command_starts(tmp_path, monkeypatch):
+    """Started from tests/ or anywhere else, the default run folder is the checkout's runs/, which git ignores."""
+    from harness.__main__ import _run_dir
+    from harness.cli import harness_parser
+    monkeypatch.chdir(tmp_path)
+    assert _run_dir(harness_parser().parse_args(["run"]), GOLDEN).parent == ROOT / "runs"
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "runs/20261206-010203/run.parquet"])
+    assert ignored.returncode == 0, "runs/ is not ignored by git"
 
 
 def test_out_never_replaces_a_run(tmp_path, capsys):
@@ -203,9 +286,19 @@ def test_help_describes_every_command_and_lists_the_scenarios(capsys):
     from harness.scenarios import SCENARIOS
     top = cli(capsys, "harness", "--help").stdout
     for name in ("run", "goldens", "diff"):
-        assert re.search(rf"^    {name} +\S", top, re.M), top  # each command with its line of help
+        assert len(re.findall(rf"^ +{name} +\S", top, re.M)) == 1, top  # each command once, with its line of help
     words = " ".join(cli(capsys, "harness", "run", "--help").stdout.split())
     assert "comma-separated names (default: all): " + ", ".join(SCENARIOS) in words
+    from harness.cli import harness_parser
+    from reports.__main__ import parser
+    for top in (harness_parser(), parser()):  # every option of every command says what it does and its default
+        (commands,) = [a.choices for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+        for name, command in commands.items():
+            for a in command._actions:
+                if isinstance(a, argparse._HelpAction):
+                    continue
+                assert a.help, (name, a.dest)
+                assert a.default in (None, False) or "default" in a.help, (name, a.dest, a.help)
 
 
 def test_an_interpreter_without_the_project_gets_one_line(tmp_path):
@@ -220,7 +313,7 @@ def test_an_interpreter_without_the_project_gets_one_line(tmp_path):
                  [str(ROOT / "examples" / "grpo_toy.py")]):
         proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=120)
-        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         (line,) = proc.stderr.strip().splitlines()
         assert ": expected an interpreter with grpo-core" in line and sys.executable in line, line
 
@@ -485,14 +578,25 @@ def test_report_figures_have_titles_and_integer_counts():
     moved = pd.DataFrame({"ulp": [1.0, 3.0]})  # two values: a count axis of 0..1 would get ticks 0.2, 0.4, ...
     cells = pd.DataFrame({"scenario": ["a", "b"], "sequences_moved": [1, 0]})
     study = pd.DataFrame({"seed": [0, 1, 2], "sequence_values_moved": [3, 0, 1], "loss_moved": [False, False, True]})
-    for fig, counts in ((ulp_histogram(moved), "y"), (moved_by_scenario(cells), "x"), (study_figure(study), "y")):
+    for fig, counts in ((ulp_histogram(moved), "y"), (moved_by_scenario(cells), "x"), (study_figure(study, 8), "y")):
         ax = fig.axes[0]
         fig.canvas.draw()
         assert ax.get_title(), fig
         assert _integer_ticks(ax.yaxis if counts == "y" else ax.xaxis), (ax.get_title(), counts)
-    bars = study_figure(study).axes[0].containers
+    fig = study_figure(study, 8)
+    bars = fig.axes[0].containers
     assert len(bars) == 2 and [len(b) for b in bars] == [3, 3]  # per seed: vector moved next to scalar moved
     assert [b.get_height() for b in bars[0]] == [3, 0, 1] and [b.get_height() for b in bars[1]] == [0, 0, 1]
+    # The legend says a sequence counts twice, and covers no bar (it had hidden the last seeds' bars: 12 seeds, each
+    # with every value moved).
+    full = pd.DataFrame({"seed": range(12), "sequence_values_moved": [16] * 12, "loss_moved": [True] * 12})
+    fig = study_figure(full, 8)
+    legend = fig.axes[0].get_legend()
+    assert "policy and KL of 8 sequences: at most 16" in legend.get_texts()[0].get_text()
+    fig.tight_layout()
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(bar.get_window_extent()) for c in fig.axes[0].containers for bar in c)
 
 
 def test_regroup_study_draws_vector_versus_scalar_per_seed(tmp_path):
@@ -568,3 +672,26 @@ def test_triton_kernels_on_the_cpu_need_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
     assert "kernels: 'triton' needs CUDA tensors" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- the nox sessions' arguments --------------------------------------------------------------------------------------
+
+NOX_MISTAKES = [(["-s", "determinism", "--", "--bogus"],
+                 "python -m harness run: error: unrecognized arguments: --bogus (see --help)"),
+                (["-s", "report", "--", "drift", "onlyone"],
+                 "python -m reports drift: error: the following arguments are required: RUN_B, --out (see --help)"),
+                (["-s", "goldens", "--", "--out", "x"],
+                 "python -m harness goldens: error: unrecognized arguments: --out x (see --help)"),
+                (["--", "--max-world", "0"],  # the default sessions: determinism takes the arguments too
+                 "python -m harness run: error: argument --max-world: expected an integer from 1 to 64 (the harness "
+                 "spawns one process per rank on this host), got 0 (see --help)")]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nox") is None, reason="nox is not installed")
+@pytest.mark.parametrize("argv,line", NOX_MISTAKES, ids=[" ".join(m[0]) for m in NOX_MISTAKES])
+def test_nox_refuses_bad_arguments_in_one_line_with_exit_2_before_any_virtualenv(tmp_path, argv, line):
+    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "--envdir",
+                           str(tmp_path / "env"), *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == line and proc.stdout == ""
+    assert not (tmp_path / "env").exists()  # nox made no virtualenv
