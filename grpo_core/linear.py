@@ -53,9 +53,10 @@ from . import canonical
 from .checks import check_inputs, check_logprobs, check_option_inputs, check_tensor, stand_in
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
                        Surrogate, check_temperature, inverse_temperature)
+from .digest import row_digests
 from .distributed.grpo_loss import (LossCall, advantages_stage, check_everywhere, finish_stage, loss_coef,
                                     replicated_inputs, result_stage, token_terms)
-from .distributed.preflight import bits_digest, preflight
+from .distributed.preflight import preflight
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
 from .result import GRPOLossResult, provenance
 
@@ -452,12 +453,10 @@ class LinearGRPOLossOp:
         def replicated() -> dict[str, str | None]:  # what TP peers must share, the hidden states at active tokens
             if contract.sharding.tp_world_size == 1:
                 return {}
-            rows = completion_mask.bool().reshape(-1)
             return replicated_inputs(completion_mask, action_ids, old_logps, rewards, advantages, ref_logps,
                                      importance_sampling_ratio, sampling_logps,
-                                     hidden=bits_digest(hidden.reshape(rows.numel(), -1), rows),
-                                     ref_hidden=None if ref_hidden is None else
-                                     bits_digest(ref_hidden.reshape(rows.numel(), -1), rows))
+                                     hidden=row_digests(hidden, completion_mask),
+                                     ref_hidden=None if ref_hidden is None else row_digests(ref_hidden, completion_mask))
 
         def choices() -> dict[str, str]:  # what a rank chooses alone: the kernel set, the gradients it wants
             wanted = [name for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias))

@@ -27,7 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from grpo_core.recorder import DIGEST_FIELDS, LANES, SCALAR_FIELDS, SEQUENCE_FIELDS, schema
+from grpo_core.digest import LANES
+from grpo_core.recorder import DIGEST_FIELDS, SCALAR_FIELDS, SEQUENCE_FIELDS, schema
 
 from .cli import UsageError
 from .diff import plural, ulp_distance

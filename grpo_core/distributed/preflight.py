@@ -10,7 +10,7 @@ What travels: each rank's payload (`all_gather_object`) carries every structural
 fingerprint and numeric fields, which groups were passed (None or their size; rank indices from the contract),
 whether ref logits are present, dtype, device type and shape of every tensor argument (the dims an axis shards are
 left out of that axis' comparison), the choices a rank makes alone (the kernel set, the gradients wanted), digests
-of the inputs TP siblings must share (the hidden states' by `bits_digest`, on the device: a few bytes travel), this
+of the inputs TP siblings must share (the hidden states' by `digest.row_digests`, on the device: a few bytes travel), this
 rank's errors, and a call sequence number per axis. It is gathered on the DP axis, then on the TP axis (carrying
 what the DP axis reported), then on the DP axis again (carrying what the TP axis found), so that whatever is found
 anywhere reaches every rank of the grid. All three stages run whatever was found before, so every rank makes the
@@ -56,7 +56,7 @@ _owed: dict[tuple, list[dict]] = {}  # seat -> payloads of calls that could not 
 
 def replicated_digest(**tensors: torch.Tensor | None) -> dict[str, str | None]:
     """Per argument, a digest of what TP siblings must hold identically (mask, ids, old log-probs, rewards, the
-    `bits_digest` of the hidden states); None for an argument not passed."""
+    `row_digests` of the hidden states); None for an argument not passed."""
     out: dict[str, str | None] = {}
     for name, t in tensors.items():
         if t is None:
@@ -65,34 +65,6 @@ def replicated_digest(**tensors: torch.Tensor | None) -> dict[str, str | None]:
         h = hashlib.sha256(str((tuple(t.shape), t.dtype)).encode())
         h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
         out[name] = h.hexdigest()[:32]
-    return out
-
-
-_PRIME = (1 << 31) - 1  # the digest's modulus: a prime, so that any one changed 16-bit word changes the digest
-_DIGEST_ELEMENTS = 1 << 24  # 16-bit words per step of `bits_digest` (bounds its int32 temporaries)
-
-
-def bits_digest(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """An exact integer hash of the bit patterns of the rows of `x` `[N, ...]` (a floating tensor of even item size)
-    where `rows` (bool `[N]`) is set: int64 `[2]`, computed on `x`'s device, the same on every device. Each element
-    is read as signed 16-bit words `u[r, j]`; per lane `sum_r w_r * (sum_j c_j * u[r, j] mod p) mod p` with fixed
-    weights `c_j` < 2**15, `w_r` < p = 2**31 - 1 (0 on the rows left out): integer products and sums, exact in any
-    order. A change of one word changes both lanes (p is prime); a reordering of rows or columns changes the
-    weights they meet. Cost: one read of `x` and a few int32 passes over it (`_DIGEST_ELEMENTS` words a step)."""
-    words = x.detach().contiguous().view(x.shape[0], -1).view(torch.int16)
-    n, k = words.shape
-    dev = words.device
-    j = torch.arange(k, dtype=torch.int64, device=dev)
-    cols = [((j * a + b) % 32749 + 1).to(torch.int32) for a, b in ((7919, 12345), (104729 % 32749, 2718))]
-    r = torch.arange(n, dtype=torch.int64, device=dev)
-    lanes = [torch.where(rows, (r * a + b) % (_PRIME - 1) + 1, 0) for a, b in ((48271, 1), (69621, 31337))]
-    out = torch.zeros(2, dtype=torch.int64, device=dev)
-    step = max(1, _DIGEST_ELEMENTS // max(k, 1))
-    for lo in range(0, n, step):
-        chunk = words[lo:lo + step]
-        for i, (c, w) in enumerate(zip(cols, lanes)):
-            sums = torch.remainder((chunk * c).sum(-1, dtype=torch.int64), _PRIME)  # |word * c| < 2**30
-            out[i] = torch.remainder(out[i] + torch.remainder(sums * w[lo:lo + step], _PRIME).sum(), _PRIME)
     return out
 
 
