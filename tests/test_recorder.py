@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
