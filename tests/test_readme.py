@@ -101,6 +101,8 @@ def test_the_quick_starts_counts_are_the_codes():
     scenarios, lays = map(int, re.search(r"runs (\d+) scenarios x (\d+) layouts", quick).groups())
     assert (scenarios, lays) == (len(SCENARIOS), len(layouts(4)))
     stated = int(re.search(r"runs\s+the suite's (\d+) tests", quick).group(1))
+    passed, skipped = map(int, re.search(r"\((\d+) passed, (\d+) skipped;", quick).groups())  # the timed run's
+    assert passed + skipped == stated, "the timed run's counts are not of the stated suite: measure it again"
     missing = [m for m in ("trl", "triton", "hypothesis", "xdist") if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"the README counts the suite of `nox -s tests` (the [dev] extras); this interpreter lacks "
