@@ -385,7 +385,8 @@ def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: 
     gamma weight as reported (`[S]`, or `[S, T]` with advantages per token, 0.0 on masked tokens; None without
     `gamma`). The weights are the rollout's importance weights `is_ratio` (`given_logprobs`); with `gamma` (vespo) its
     `vespo_phi` in their place (they enter phi); with `threshold` the off-policy mask folded in (`off_policy_weights`,
-    from `sampling_logps`, default `old_logps`); with `keep` (bool `[S, T]`, `entropy_keep`) 0.0 where it is False."""
+    from `sampling_logps`, default `old_logps`); with `keep` (bool `[S, T]`, `entropy_keep`) 0.0 where it is False,
+    unless it is `mask` itself (what `entropy_keep` returns when it keeps every active token: no weight then)."""
     phi = None
     if gamma is not None:
         phi = vespo_phi(logp, old_logps, advantages, mask, is_ratio, gamma, exp)
@@ -394,7 +395,7 @@ def importance_weights(logp: torch.Tensor, old_logps: torch.Tensor, advantages: 
     if threshold is not None:
         is_ratio = off_policy_weights(logp, old_logps if sampling_logps is None else sampling_logps, advantages, mask,
                                       threshold, is_ratio)
-    if keep is not None:
+    if keep is not None and keep is not mask:
         is_ratio = torch.where(keep, 1.0 if is_ratio is None else is_ratio, 0.0)
     return is_ratio, phi
 

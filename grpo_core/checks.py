@@ -241,15 +241,17 @@ def check_inputs(policy_logits: Any, ref_logits: Any, action_ids: Any, old_logps
     return mask
 
 
-def check_logprobs(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torch.Tensor) -> None:
+def check_logprobs(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torch.Tensor,
+                   names: tuple[str, str] = ("policy_logits", "ref_logits")) -> None:
     """Every backend's check of its selected log-probs (fp32 `[B, T]` each, `logp_ref` None without a
     reference; `mask` bool `[B, T]`): at active tokens they must be finite, else the same `LossContractError`
-    on every backend, naming `policy_logits` (checked first) or `ref_logits` and the `(b, t)` tokens.
+    on every backend, naming `policy_logits` (checked first) or `ref_logits` and the `(b, t)` tokens (`names`: the
+    arguments the logits come from, e.g. the hidden states and the weight of the fused linear loss).
 
     NaN means the token's row holds a NaN or +inf logit (or no finite logit at all); -inf means the action's
     probability is 0 (its logit is -inf, or so far below the row's others that its probability underflows).
     -inf logits elsewhere in a row are legal (vocabulary masking) and give finite log-probabilities."""
-    for name, lp in (("policy_logits", logp), ("ref_logits", logp_ref)):
+    for name, lp in zip(names, (logp, logp_ref)):
         if lp is None:
             continue
         nan, neg = mask & ~torch.isfinite(lp) & (lp != -math.inf), mask & (lp == -math.inf)
@@ -280,14 +282,21 @@ def check_derived_advantages(advantages: torch.Tensor, rewards: torch.Tensor, gr
             f"rewards down")
 
 
-def check_loss(loss: torch.Tensor) -> None:
+def check_loss(loss: torch.Tensor, per_sequence_kl: torch.Tensor | None = None, reference: str = "") -> None:
     """Raises where the loss of inputs that passed every other check is not finite: a per-token term (an advantage
     times a ratio, a KL term) or a sum of them overflowed fp32, e.g. a given advantage of 3e38. Every backend runs it
-    last, on the loss every rank holds."""
-    if not bool(torch.isfinite(loss)):
-        raise LossContractError("loss: expected a finite float32 loss from finite inputs, got a non-finite one: an "
-                                "advantage times a ratio, a KL term, or a sum of them overflows float32; scale the "
-                                "rewards or advantages down")
+    last, on the loss every rank holds. With `per_sequence_kl` (the fused linear loss, whose logits are its own) a
+    KL term that overflows is named as such, `reference` being the argument the reference log-probs come from."""
+    if bool(torch.isfinite(loss)):
+        return
+    if per_sequence_kl is not None and not bool(torch.isfinite(per_sequence_kl).all()):
+        raise LossContractError(f"{reference}: expected reference log-probs within float32 reach of the policy's, got "
+                                f"a KL term that overflows float32: at an active token the reference's log-prob "
+                                f"exceeds the policy's by more than about 88 (its exp overflows); check the scale of "
+                                f"hidden / weight and of {reference}")
+    raise LossContractError("loss: expected a finite float32 loss from finite inputs, got a non-finite one: an "
+                            "advantage times a ratio, a KL term, or a sum of them overflows float32; scale the "
+                            "rewards or advantages down")
 
 
 def check_option_inputs(sampling_logps: Any, is_ratio: Any, threshold: float | None, surrogate: Surrogate,

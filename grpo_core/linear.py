@@ -16,9 +16,10 @@ coefficient needs every log-prob of its sequence; the first pass computes only t
 when the forward returns and are scaled by `grad_output` in the backward (exact when it is 1.0, as after
 `loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in fp32 until then).
 
-The per-token log-probs then give the loss exactly as the logits op's deterministic path does (`canonical.py`: the
-token terms, `pair_sum` over `padded_seq_len`, per-sequence vectors gathered over DP, the normalizer). Every sum
-has a shape fixed by the contract:
+The per-token log-probs then give the loss exactly as the logits op's deterministic path does: the same stages
+(`distributed/grpo_loss.py`: the advantages, the token terms with `pair_sum` over `padded_seq_len`, per-sequence
+vectors gathered over DP, the finish with the normalizer, the checks, the gradient's coefficients, the result).
+Every sum has a shape fixed by the contract:
 - a logit is a dot over H by the kernels' one fixed order, the same for any token, batch, chunk and shard;
 - vocabulary statistics: the canonical tiles, merged in global tile order over TP;
 - `dH`, a sum over the vocabulary: a left fold over the vocabulary in fixed steps, started from 0.0 on TP rank 0
@@ -49,14 +50,15 @@ import torch
 import torch.distributed as dist
 
 from . import canonical
-from .checks import (check_derived_advantages, check_inputs, check_loss, check_option_inputs, check_tensor,
-                     stand_in)
-from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, ImportanceSamplingLevel, LogprobContract,
-                       LossContractError, Surrogate, check_temperature, inverse_temperature)
-from .distributed.grpo_loss import gather_sequences, gathered_entropy_keep
-from .distributed.preflight import check_logprobs_everywhere, preflight, replicated_digest
+from .checks import check_inputs, check_logprobs, check_option_inputs, check_tensor, stand_in
+from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
+                       Surrogate, check_temperature, inverse_temperature)
+from .digest import row_digests
+from .distributed.grpo_loss import (LossCall, advantages_stage, check_everywhere, finish_stage, loss_coef,
+                                    replicated_inputs, result_stage, token_terms)
+from .distributed.preflight import preflight
 from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
-from .result import GRPOLossResult, entropy_fields, provenance
+from .result import GRPOLossResult, provenance
 
 __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
 
@@ -67,6 +69,7 @@ TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the
 # fold continues across chunks on K-step boundaries); 2048 halves the buffers but reads and writes the fp32 dW
 # accumulator twice as often (4.4 GB a chunk at H = 3584)
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
+MAX_TRITON_TILE = 4096  # the row kernels' largest tile
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -180,7 +183,7 @@ def _kernels(choice: str, device: torch.device, width: int) -> TorchKernels | Tr
     """The kernel set `choice` names ('auto': Triton for CUDA tensors when it imports and takes tiles of `width`)."""
     _check_kernels(choice)
     has_triton = importlib.util.find_spec("triton") is not None
-    fits = MIN_TRITON_TILE <= width <= 4096  # the dot's smallest K step; the row kernels' largest tile
+    fits = MIN_TRITON_TILE <= width <= MAX_TRITON_TILE
     if choice == "torch" or (choice == "auto" and not (device.type == "cuda" and has_triton and fits)):
         return TorchKernels()
     if not has_triton:
@@ -190,8 +193,8 @@ def _kernels(choice: str, device: torch.device, width: int) -> TorchKernels | Tr
         raise LossContractError(f"kernels: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
                                 f"interpreter), got hidden on {device}; use kernels='torch'")
     if not fits:
-        raise LossContractError(f"vocab_tile: the Triton kernels take tiles of {MIN_TRITON_TILE} to 4096 columns, got "
-                                f"{width}; use kernels='torch'")
+        raise LossContractError(f"vocab_tile: the Triton kernels take tiles of {MIN_TRITON_TILE} to {MAX_TRITON_TILE} "
+                                f"columns, got {width}; use kernels='torch'")
     return TritonKernels()
 
 
@@ -323,6 +326,8 @@ def _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_b
     H = hidden.shape[2]
     if hidden.dtype not in _FLOAT_DTYPES:
         raise LossContractError(f"hidden: expected dtype float32, float16 or bfloat16, got {hidden.dtype}")
+    if H == 0:
+        raise LossContractError(f"hidden: expected a hidden size H >= 1, got shape {list(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] < 1:
         raise LossContractError(f"weight: expected [V, H] with H = {H} like hidden's last dim, got "
                                 f"{list(weight.shape)}")
@@ -362,7 +367,7 @@ def _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_b
     for name, t, like, like_name in pairs:
         if t.device != hidden.device:
             raise LossContractError(f"{name}: expected device {hidden.device} like hidden, got {t.device}")
-        if t.is_floating_point() and name != "ref_logps" and t.dtype != like.dtype:
+        if name != "ref_logps" and t.dtype != like.dtype:
             raise LossContractError(f"{name}: expected dtype {like.dtype} like {like_name} (one matmul dtype), got "
                                     f"{t.dtype}")
 
@@ -391,6 +396,22 @@ class LinearGRPOLossOp:
     def __init__(self, kernels: str = "auto") -> None:
         self.kernels = _check_kernels(kernels)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> GRPOLossResult:
+        """The plain call, `linear_grpo_loss(*args, **kwargs)` with this op's kernel set (what
+        `kernel_registry.get_op("linear_grpo_loss", backend=...)` returns)."""
+        if "kernels" in kwargs:
+            raise LossContractError(f"kernels: expected none (this op runs the {self.kernels!r} kernels: the backend "
+                                    f"chosen in get_op), got {kwargs['kernels']!r}")
+        return linear_grpo_loss(*args, kernels=self.kernels, **kwargs)
+
+    def supports(self, contract: GRPOLossContract) -> list[str]:
+        """Reasons this op cannot serve `contract` (empty when it can): it serves every contract, at every
+        determinism scope (its bits are the same at every layout), where torch.distributed runs."""
+        s = contract.sharding
+        if (s.tp_world_size > 1 or s.dp_world_size > 1) and not dist.is_available():
+            return ["torch.distributed is not available in this build of torch"]
+        return []
+
     @staticmethod
     def _token_sum(terms: torch.Tensor) -> torch.Tensor:
         """Each sequence's token sum (a fixed tree over `padded_seq_len`)."""
@@ -409,7 +430,7 @@ class LinearGRPOLossOp:
                    "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask, "ref_logps": ref_logps, "ref_hidden": ref_hidden,
                    "ref_weight": ref_weight, "ref_bias": ref_bias}
-        chosen: list = []
+        chosen: dict[str, Any] = {}
 
         def local_checks() -> torch.Tensor:  # inside the preflight: what one rank raises, every rank raises
             s = contract.sharding
@@ -417,7 +438,7 @@ class LinearGRPOLossOp:
             T = contract.padded_seq_len
             _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps,
                           seq_hi - seq_lo, T, v_hi - v_lo, contract.beta)
-            chosen.append(_kernels(self.kernels, hidden.device, contract.vocab_tile))
+            chosen["kernels"] = _kernels(self.kernels, hidden.device, contract.vocab_tile)
             check_option_inputs(sampling_logps, importance_sampling_ratio, contract.off_policy_mask_threshold,
                                 contract.surrogate, contract.padded_seq_len)
             logits = stand_in((seq_hi - seq_lo, T, v_hi - v_lo), hidden.dtype, hidden.device)
@@ -429,65 +450,52 @@ class LinearGRPOLossOp:
                                 advantages_input=contract.advantages_input, ref_logps=ref_logps,
                                 importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps)
 
-        def replicated() -> str:  # what TP peers must share (the hidden states are not hashed: too large)
+        def replicated() -> dict[str, str | None]:  # what TP peers must share, the hidden states at active tokens
             if contract.sharding.tp_world_size == 1:
-                return ""
-            active = completion_mask.bool()
-            given = None
-            if advantages is not None:
-                given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
-            return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
-                                     None if old_logps is None else torch.where(active, old_logps, 0), rewards, given,
-                                     None if ref_logps is None else torch.where(active, ref_logps, 0),
-                                     None if importance_sampling_ratio is None else
-                                     torch.where(active, importance_sampling_ratio, 0),
-                                     None if sampling_logps is None else torch.where(active, sampling_logps, 0))
+                return {}
+            return replicated_inputs(completion_mask, action_ids, old_logps, rewards, advantages, ref_logps,
+                                     importance_sampling_ratio, sampling_logps,
+                                     hidden=row_digests(hidden, completion_mask),
+                                     ref_hidden=None if ref_hidden is None else row_digests(ref_hidden, completion_mask))
 
-        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
-        k = chosen[0]
-        s, lp = contract.sharding, contract.logprob_contract
-        seq_lo, seq_hi = s.sequence_bounds
+        def choices() -> dict[str, str]:  # what a rank chooses alone: the kernel set, the gradients it wants
+            wanted = [name for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias))
+                      if torch.is_grad_enabled() and t is not None and t.requires_grad]
+            chosen["gradients"] = wanted
+            return {"kernels": chosen["kernels"].name, "gradients (requires_grad under grad mode)":
+                    " / ".join(wanted) or "none"}
+
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group, choices)
+        k = chosen["kernels"]
+        lp = contract.logprob_contract
+        seq_lo, seq_hi = contract.sharding.sequence_bounds
         n_local, T, H = hidden.shape
         rows = mask.reshape(-1).nonzero().squeeze(1)
         ids = action_ids.reshape(-1)[rows].long()
         seq_of = rows // T
+        c = LossCall.of(contract, mask, action_ids, completion_mask, old_logps, importance_sampling_ratio,
+                        sampling_logps, tp_group, dp_group)
+        counts = c.gather(mask.sum(-1))  # before the pass: the token weights of a gradient computed in it
+        advantages_all, adv, _, rewards_all = advantages_stage(c, rewards, advantages)
 
-        counts = gather_sequences(mask.sum(-1), contract, dp_group)
-        if contract.advantages_input is AdvantagesInput.REWARDS:
-            rewards_all = gather_sequences(rewards.detach().to(torch.float32), contract, dp_group)
-            advantages_all = canonical.group_advantages(rewards_all, contract.groups, contract.advantage_std)
-            adv = advantages_all[seq_lo:seq_hi]
-        else:
-            given = advantages.detach().to(torch.float32, copy=True)
-            advantages_all = gather_sequences(given, contract, dp_group)
-            adv = canonical.used_advantages(given, mask)
-        adv_tok = adv[seq_of] if adv.dim() == 1 else adv.reshape(-1)[rows]
-        inv = inverse_temperature(contract.temperature)
-        clip_lo, clip_hi = canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate)
-        taus = contract.sapo_temperatures
-        sequence = contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE
-        gamma = contract.vespo_gamma
+        # The log-probs (and the gradient, when every token's coefficient is known before the pass)
         bonus = contract.entropy_coef != 0.0
-        two_pass = (sequence or contract.off_policy_mask_threshold is not None or gamma is not None or bonus
-                    or contract.top_entropy_quantile < 1.0)  # from whole sequences, or from the whole batch
-        params = [t for t in (hidden, weight, bias) if t is not None]
-        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+        two_pass = (c.sequence or contract.off_policy_mask_threshold is not None or contract.vespo_gamma is not None
+                    or bonus or contract.top_entropy_quantile < 1.0)  # from whole sequences, or from the whole batch
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
-        is_ratio = (None if importance_sampling_ratio is None else
-                    canonical.given_logprobs(importance_sampling_ratio, mask))  # fp32 [n_local, T]
         ref = None
         if ref_hidden is not None:  # without ref_weight the reference shares the policy's head, bias included
             ref_b = ref_bias if ref_bias is not None or ref_weight is not None else bias
             ref = (ref_hidden.detach().reshape(-1, H), (weight if ref_weight is None else ref_weight).detach(),
                    None if ref_b is None else ref_b.detach())
         grads = None
-        if wants_grad:
+        if chosen["gradients"]:
             w_tok = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi]
-            old_tok = None if old_logps is None else old_logps.detach().reshape(-1)[rows].float()
-            inputs = _CoefInputs(old_tok, adv_tok, w_tok[seq_of], given_ref,
-                                 None if is_ratio is None else is_ratio.reshape(-1)[rows], clip_lo, clip_hi,
-                                 contract.beta, contract.delta, contract.use_bias_correction_kl, contract.surrogate,
-                                 taus)
+            inputs = _CoefInputs(None if c.old is None else c.old.reshape(-1)[rows],
+                                 adv[seq_of] if adv.dim() == 1 else adv.reshape(-1)[rows], w_tok[seq_of], given_ref,
+                                 None if c.is_ratio is None else c.is_ratio.reshape(-1)[rows], *c.clip, contract.beta,
+                                 contract.delta, contract.use_bias_correction_kl, contract.surrogate,
+                                 contract.sapo_temperatures)
 
             def zeros(t: torch.Tensor | None, shape, dtype) -> torch.Tensor | None:
                 return torch.zeros(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
@@ -496,82 +504,57 @@ class LinearGRPOLossOp:
                      zeros(bias, (weight.shape[0],), torch.float32))
         matrices = (hidden.detach().reshape(-1, H), weight.detach(), None if bias is None else bias.detach())
         with torch.no_grad():  # two passes: the log-probs first, the gradients in a second pass
-            logp_rows, ref_rows, ent_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv,
+            logp_rows, ref_rows, ent_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, c.inv,
                                                         None if two_pass else grads, ref, contract.entropy)
         if ref_rows is None:
             ref_rows = given_ref
         full = torch.zeros(n_local * T, dtype=torch.float32, device=hidden.device)
         logp = full.index_put((rows,), logp_rows).view(n_local, T)
         logp_ref = None if ref_rows is None else full.index_put((rows,), ref_rows).view(n_local, T)
-        old = logp if old_logps is None else old_logps.detach().to(torch.float32)
+        ent = None if ent_rows is None else full.index_put((rows,), ent_rows).view(n_local, T)
+        if c.old is None:  # on-policy: the old log-probs are the policy's own
+            c = dataclasses.replace(c, old=logp)
         bad = ~torch.isfinite(logp_rows)
         if ref_rows is not None:
             bad |= ~torch.isfinite(ref_rows)
-        flags = gather_sequences(torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(
-            0, seq_of, bad.long()), contract, dp_group)
 
-        lo_t, hi_t = canonical.fp32(clip_lo, old), canonical.fp32(clip_hi, old)
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, old, mask, bias_kl=contract.use_bias_correction_kl,
-                                               sequence=sequence)
-        local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, mask, lo_t, hi_t)
-        ent = keep = None
-        if ent_rows is not None:
-            ent = full.index_put((rows,), ent_rows).view(n_local, T)
-            keep = gathered_entropy_keep(ent, mask, contract, dp_group)
-        is_ratio, phi = canonical.importance_weights(logp, old, adv, mask, is_ratio, contract.off_policy_mask_threshold,
-                                                     sampling_logps, gamma, k.exp,
-                                                     None if contract.top_entropy_quantile == 1.0 else keep)
-        sums = [self._token_sum(canonical.clipped_surrogate(ratio, adv, mask, lo_t, hi_t, contract.delta, is_ratio,
-                                                            contract.surrogate, logp, taus)),
-                self._token_sum(kl_tok), local_ratio]
-        if ent is not None:  # the entropy's sums over the active tokens and over the kept ones
-            sums += [self._token_sum(ent), self._token_sum(torch.where(keep, ent, 0.0))]
-            kept = gather_sequences(keep.sum(-1), contract, dp_group)
-        sums = gather_sequences(torch.stack(sums).T, contract, dp_group).T
-        clipped = gather_sequences(local_clipped, contract, dp_group)
-        per_seq_policy, per_seq_kl, per_seq_ratio = sums[:3]
-        loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, contract.beta,
-                                                  contract.normalizer, contract.normalizer_value)
-        if bonus:
-            entropy_bonus, ent_w = canonical.entropy_bonus(sums[4], kept, contract.entropy_coef)
-            loss = loss - entropy_bonus
-        derived = contract.advantages_input is AdvantagesInput.REWARDS
-        bad = flags.any() | ~torch.isfinite(loss)
-        if derived:  # a group's NaN advantages reach no loss when the group has no active token
+        # The token terms, the gathers, the finish, the checks (one sync, once all is queued)
+        sums, ints, phi, (ratio, w_is, keep) = token_terms(c, logp, logp_ref, adv, ent, k.exp, self._token_sum)
+        bad = torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(0, seq_of, bad.long())
+        sums = c.gather(torch.stack(sums).T).T.contiguous()
+        ints = c.gather(torch.stack([mask.sum(-1), bad, *ints]).T).T.contiguous()
+        scalars, _ = finish_stage(sums, ints, contract)
+        loss = scalars[0]
+        derived = None if rewards_all is None else (advantages_all, rewards_all, contract.groups)
+        bad = ints[1].any() | ~torch.isfinite(loss)
+        if derived is not None:  # a group's NaN advantages reach no loss when the group has no active token
             bad |= ~torch.isfinite(advantages_all).all()
-        if bool(bad):  # one sync, once all is queued; every rank holds what it reads
-            if bool(flags.any()):
-                check_logprobs_everywhere(logp, logp_ref, mask, lambda t: gather_sequences(t, contract, dp_group))
-            if derived:
-                check_derived_advantages(advantages_all, rewards_all, contract.groups)
-            check_loss(loss)
-        clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(per_seq_ratio, per_seq_kl, clipped, counts,
-                                                                           contract.sequence_clip)
+        if bool(bad):  # every rank holds what it reads
+            check_everywhere(c, ints[1], loss, logp, logp_ref, derived, _names(bias, ref_hidden), sums[1])
+
+        # The gradient (its second pass when the coefficients needed the whole sequence or batch)
         if grads is not None and two_pass:
-            coef = (canonical.sequence_coef if sequence else canonical.token_coef)(
-                ratio, logp, logp_ref, adv, w_tok, mask, lo_t, hi_t, contract.beta, contract.delta, is_ratio,
-                contract.use_bias_correction_kl, contract.surrogate, taus)
+            coef = loss_coef(c, ratio, logp, logp_ref, adv, w_tok, w_is)
             extra = {}
             if bonus:
+                ent_w = canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[1]
                 extra = dict(coef_h=torch.where(keep, ent_w, 0.0).reshape(-1)[rows], ent=ent_rows)
             with torch.no_grad():
-                _run_chunks(k, *matrices, ids, rows, lp, tp_group, inv,
+                _run_chunks(k, *matrices, ids, rows, lp, tp_group, c.inv,
                             (dataclasses.replace(grads[0], coef=coef.reshape(-1)[rows], **extra), *grads[1:]))
         if grads is not None:  # each stored gradient with the dtype it is handed over in
             _, dh, dw, db = grads
             loss = _Grads.apply(loss, hidden, weight, bias, [
                 (None if dh is None else dh.view(hidden.shape), hidden.dtype), (dw, weight.dtype),
                 (db, None if bias is None else bias.dtype)])
-        return GRPOLossResult(
-            loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=per_seq_policy, per_sequence_kl=per_seq_kl,
-            advantages=advantages_all, per_sequence_active_tokens=counts, clip_fraction=clip_fraction,
-            mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
-            vespo_phi=None if phi is None else gather_sequences(phi, contract, dp_group),
-            **({} if ent is None else entropy_fields(gather_sequences(ent, contract, dp_group), sums[3], counts)),
-            provenance=provenance(self.backend, hidden, backend_id=BACKEND_ID, kernels=k.name,
-                                  fingerprint=contract.fingerprint(), tile_width=lp.tile_width,
-                                  tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
-                                  determinism_scope=contract.determinism_scope.value))
+        return result_stage(c, loss, scalars, sums, ints, advantages_all, phi, ent,
+                            provenance(self.backend, hidden, backend_id=BACKEND_ID, kernels=k.name))
+
+
+def _names(bias: torch.Tensor | None, ref_hidden: torch.Tensor | None) -> tuple[str, str]:
+    """The arguments the policy's and the reference's log-probs come from, for the messages."""
+    policy = "hidden / weight" + (" / bias" if bias is not None else "")
+    return policy, "ref_logps" if ref_hidden is None else "ref_hidden"
 
 
 def _plain_call(hidden: Any, weight: Any, completion_mask: Any) -> tuple[int, int, Any]:
@@ -583,6 +566,9 @@ def _plain_call(hidden: Any, weight: Any, completion_mask: Any) -> tuple[int, in
         raise LossContractError(f"hidden / weight: expected [B, T, H] and [V, H], got {list(hidden.shape)} and "
                                 f"{list(weight.shape)}")
     B, T, _ = hidden.shape
+    if B == 0 or T == 0:
+        raise LossContractError(f"hidden: expected at least one sequence and one token (B >= 1, T >= 1), got shape "
+                                f"{list(hidden.shape)}")
     if completion_mask is None:
         completion_mask = torch.ones((B, T), dtype=torch.bool, device=hidden.device)
     return B, T, completion_mask
@@ -660,5 +646,6 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torc
         k = _kernels(kernels, hidden.device, contract.tile_width)
         logp, *_ = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
                                None if bias is None else bias.detach(), ids, rows, contract, tp_group, inv)
-    out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
-    return out.index_put((rows,), logp).view(B, T)
+    out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device).index_put((rows,), logp).view(B, T)
+    check_logprobs(out, None, mask, _names(bias, None))
+    return out

@@ -23,10 +23,9 @@ Per sequence: the result's `per_sequence_policy`, `per_sequence_kl`, `advantages
   backward ran).
 Per call, the scalars `loss`, `policy_loss` and `kl` under the sequence `rank<R>/micro-batch<M>`.
 
-A digest is exact integer arithmetic on the bit patterns (`row_digests`): the same bits give the same digest on every
-device, and it is computed where the tensor lives (one read of it), a few bytes per sequence copied back when the
-step is written. A changed bit changes every lane of it (4 lanes of 31 bits, each a different linear form modulo the
-prime 2**31 - 1 of the 16-bit pieces of the bit patterns).
+A digest is `grpo_core.digest.row_digests`: exact integer arithmetic on the bit patterns, the same bits give the same
+digest on every device; it is computed where the tensor lives (one read of it), and a few bytes per sequence are
+copied back when the step is written.
 """
 
 from __future__ import annotations
@@ -40,70 +39,17 @@ from typing import Any
 
 import torch
 
-from .contract import MATH_VERSION, LossContractError
+from .contract import MATH_VERSION
+from .digest import mantissas, row_digests
 from .result import GRPOLossResult
 
-__all__ = ["TrainingRecorder", "row_digests", "sequence_keys"]
+__all__ = ["TrainingRecorder", "sequence_keys"]
 
-PRIME = (1 << 31) - 1
-LANES = 4
-_CHUNK = 1 << 22  # digest elements per step (bounds the int64 temporaries)
 SEQUENCE_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens",
                    "per_sequence_entropy")
-DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest")
+DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest", "grad_mantissa_digest")
 SCALAR_FIELDS = ("loss", "policy_loss", "kl")
 COLUMNS = ("step", "sequence", "field", "value", "bits", "digest", "generation", "micro_batch", "rank", "order")
-
-
-def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
-    """`[LANES, n]` int64 in [1, PRIME): fixed pseudo-random multipliers (a splitmix-style integer hash of the index,
-    computed in int64 so that every device makes the same ones)."""
-    i = torch.arange(n, dtype=torch.int64, device=device)
-    lanes = torch.arange(LANES, dtype=torch.int64, device=device)[:, None]
-    x = (i[None] * 0x9E3779B1 + lanes * 0x85EBCA77 + salt * 0xC2B2AE3D) % PRIME
-    for mult in (0x27D4EB2F, 0x165667B1):
-        x = (x ^ (x >> 15)) * mult % PRIME
-    return x + (x == 0)
-
-
-def _pieces(x: torch.Tensor) -> torch.Tensor:
-    """The bit patterns of `x` `[rows, H]` as 16-bit pieces in int64 `[rows, H * k]` (k = 1 for 16-bit dtypes, 2 for
-    fp32, 4 for 64-bit ones)."""
-    if x.dtype.is_floating_point or x.dtype.is_complex:
-        x = x.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
-    if x.element_size() == 1:
-        return x.to(torch.int64) & 0xFF
-    width = x.element_size() // 2
-    x = x.to(torch.int64)
-    return torch.stack([(x >> (16 * k)) & 0xFFFF for k in range(width)], -1).flatten(-2)
-
-
-def row_digests(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`[B, LANES]` int64: for each sequence b, a digest of the rows `x[b, t]` with `mask[b, t]` (their bit patterns,
-    in order of t; a row is `x[b, t]` flattened). The same bits in the same active rows give the same digest whatever
-    the padding, the batch, the device; exact integer arithmetic only."""
-    B, T = mask.shape
-    if x.shape[:2] != (B, T):
-        raise LossContractError(f"input: expected [B, T, ...] with [B, T] = {[B, T]} like completion_mask, got "
-                                f"{list(x.shape)}")
-    mask = mask.to(device=x.device, dtype=torch.bool)
-    rows = mask.reshape(-1).nonzero().squeeze(1)
-    seq = rows // T
-    ordinal = (mask.cumsum(1) - 1).reshape(-1)[rows]  # the row's place among its sequence's active rows
-    flat = x.detach().reshape(B * T, -1)
-    out = torch.zeros((B, LANES), dtype=torch.int64, device=x.device)
-    if rows.numel() == 0:
-        return out
-    cols = _weights(_pieces(flat[:1]).shape[1], 1, x.device)  # [LANES, pieces per row]
-    per_chunk = max(1, _CHUNK // cols.shape[1])
-    row_w = _weights(T, 2, x.device)
-    for start in range(0, rows.numel(), per_chunk):
-        r = rows[start:start + per_chunk]
-        v = _pieces(flat[r])  # [n, P], each < 2**16: a product < 2**47, reduced below 2**31 before the row's sum
-        h = (v[:, None, :] * cols[None] % PRIME).sum(-1) % PRIME  # [n, LANES]
-        h = h * row_w[:, ordinal[start:start + per_chunk]].T % PRIME
-        out.index_add_(0, seq[start:start + per_chunk], h)  # < 2**31 per row: no overflow below 2**32 rows
-    return out % PRIME
 
 
 def _hex(digests: torch.Tensor) -> list[str]:
@@ -201,6 +147,7 @@ class TrainingRecorder:
         if input.requires_grad and torch.is_grad_enabled():
             def hook(grad: torch.Tensor) -> None:
                 call["grad_digest"] = row_digests(grad, mask)
+                call["grad_mantissa_digest"] = row_digests(mantissas(grad), mask)
             input.register_hook(hook)
         self._calls.append(call)
 

@@ -3,9 +3,12 @@
     grpo_loss = kernel_registry.get_op("grpo_loss")                    # auto, decided per call from the inputs
     grpo_loss = kernel_registry.get_op("grpo_loss", backend="native")  # explicit: raises if it cannot run
     dispatched = kernel_registry.get_loss_op(contract)                 # contract path: .op, .backend, .rejected
+    linear = kernel_registry.get_op("linear_grpo_loss", backend="torch")  # the fused linear loss, its kernel set
+    dispatched = kernel_registry.get_loss_op(contract, backend="linear")  # its contract path (hidden states in)
 
-A backend declares why it cannot serve a request (`reasons`); an explicit request for such a backend raises
-with those reasons, and an automatic choice records them. Once a backend is chosen its errors propagate: no
+A backend declares why it cannot run at all (`available`: `get_op` raises with those reasons) and why it cannot
+serve a call (`reasons`); an explicit request for such a backend raises with those reasons, and an automatic choice
+records them. Once a backend is chosen its errors propagate: no
 automatic choice retries another backend behind the caller's back.
 """
 
@@ -19,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .contract import GRPOLossContract, LossContractError
+from .contract import DEFAULT_VOCAB_TILE, GRPOLossContract, LossContractError
 
 __all__ = ["BackendUnavailableError", "DispatchedLossOp", "KernelRegistry", "kernel_registry"]
 
@@ -33,6 +36,7 @@ class _OpEntry:
     backend: str
     load: Callable[[], Any]  # returns the op (a callable); imports lazily
     reasons: Callable[[tuple, dict, bool], list[str]]  # (args, kwargs, explicit) -> why it cannot serve them
+    available: Callable[[], list[str]]  # why it cannot run at all, whatever the call (a package missing)
 
 
 @dataclass(frozen=True)
@@ -64,24 +68,27 @@ class _AutoOp:
 class KernelRegistry:
     def __init__(self) -> None:
         self._ops: dict[str, list[_OpEntry]] = {}
-        self._loss_backends: list[tuple[str, Callable[[], Any]]] = []
+        self._loss_backends: list[tuple[str, Callable[[], Any], bool]] = []
 
     def register_op(self, name: str, backend: str, load: Callable[[], Any],
-                    reasons: Callable[[tuple, dict, bool], list[str]] = lambda args, kwargs, explicit: []) -> None:
+                    reasons: Callable[[tuple, dict, bool], list[str]] = lambda args, kwargs, explicit: [],
+                    available: Callable[[], list[str]] = list) -> None:
         """Registers `backend` for op `name`; earlier registrations are preferred by the automatic choice.
 
-        `reasons(args, kwargs, explicit)` says why the backend cannot serve a call (empty: it can).
+        `reasons(args, kwargs, explicit)` says why the backend cannot serve a call (empty: it can); `available()`
+        why it cannot run at all (empty: it can), checked by `get_op`.
         """
         entries = self._ops.setdefault(name, [])
         if any(e.backend == backend for e in entries):
             raise ValueError(f"backend: {backend!r} is already registered for op {name!r}")
-        entries.append(_OpEntry(backend, load, reasons))
+        entries.append(_OpEntry(backend, load, reasons, available))
 
-    def register_loss_backend(self, backend: str, load: Callable[[], Any]) -> None:
-        """Registers a contract-path backend; `load()` returns an op with `supports(contract)` and `apply(...)`."""
-        if any(name == backend for name, _ in self._loss_backends):
+    def register_loss_backend(self, backend: str, load: Callable[[], Any], automatic: bool = True) -> None:
+        """Registers a contract-path backend; `load()` returns an op with `supports(contract)` and `apply(...)`.
+        `automatic=False`: only an explicit request gets it (its `apply` takes other inputs than logits)."""
+        if any(name == backend for name, *_ in self._loss_backends):
             raise ValueError(f"backend: {backend!r} is already registered as a loss backend")
-        self._loss_backends.append((backend, load))
+        self._loss_backends.append((backend, load, automatic))
 
     def backends(self, name: str) -> list[str]:
         return [e.backend for e in self._entries(name)]
@@ -94,28 +101,32 @@ class KernelRegistry:
     def get_op(self, name: str, backend: str | None = None) -> Any:
         """The op `name` from `backend`, or an automatic chooser when `backend` is None.
 
-        An explicit backend is returned as is when it is available at all; if the inputs of a call are outside
-        what it supports, that call raises `BackendUnavailableError` with the reasons instead of falling back.
+        An explicit backend that cannot run at all raises `BackendUnavailableError` with the reasons here; if the
+        inputs of a call are outside what it supports, that call raises it with the reasons instead of falling back.
         """
         entries = self._entries(name)
         if backend is None:
             return _AutoOp(self, name)
         for entry in entries:
             if entry.backend == backend:
+                reasons = entry.available()
+                if reasons:
+                    raise BackendUnavailableError(f"backend: {backend!r} cannot run {name}: " + "; ".join(reasons))
                 return _Explicit(entry, name)
         raise BackendUnavailableError(f"backend: expected one of {[e.backend for e in entries]} for op {name!r}, "
                                       f"got {backend!r}")
 
     def get_loss_op(self, contract: GRPOLossContract, backend: str | None = None) -> DispatchedLossOp:
-        """The contract-path op for `contract`: the first backend whose `supports(contract)` has no reasons."""
+        """The contract-path op for `contract`: the first backend whose `supports(contract)` has no reasons (of those
+        registered as automatic, when `backend` is None)."""
         if not isinstance(contract, GRPOLossContract):
             raise LossContractError(f"contract: expected a GRPOLossContract, got {type(contract).__name__}")
-        names = [name for name, _ in self._loss_backends]
+        names = [name for name, *_ in self._loss_backends]
         if backend is not None and backend not in names:
             raise BackendUnavailableError(f"backend: expected one of {names}, got {backend!r}")
         rejected: dict[str, list[str]] = {}
-        for name, load in self._loss_backends:
-            if backend is not None and name != backend:
+        for name, load, automatic in self._loss_backends:
+            if name != backend and (backend is not None or not automatic):
                 continue
             op = load()
             reasons = op.supports(contract)
@@ -138,40 +149,63 @@ class _Explicit:
         return self._entry.load()(*args, **kwargs)
 
 
-def _lazy(module: str, attr: str) -> Callable[[], Any]:
+def _lazy(module: str, attr: str, *args: Any) -> Callable[[], Any]:
     cache: list[Any] = []
 
     def load() -> Any:
         if not cache:
-            cache.append(getattr(importlib.import_module(module, __package__), attr)())
+            cache.append(getattr(importlib.import_module(module, __package__), attr)(*args))
         return cache[0]
 
     return load
 
 
-def _triton_reasons(args: tuple, kwargs: dict, explicit: bool) -> list[str]:
+def _triton_installed() -> list[str]:
+    return [] if importlib.util.find_spec("triton") is not None else ["triton is not installed (pip install "
+                                                                       "'.[triton]')"]
+
+
+def _triton_reasons(arg: str) -> Callable[[tuple, dict, bool], list[str]]:
     """Triton serves CUDA tensors; an explicit request may also run CPU tensors under TRITON_INTERPRET=1.
 
-    Reads nothing but the type and device of `policy_logits`: whatever else is wrong with the inputs is the
-    chosen op's `LossContractError` (the same from every backend), never an error of the dispatch."""
-    if importlib.util.find_spec("triton") is None:
-        return ["triton is not installed"]
-    logits = args[0] if args else kwargs.get("policy_logits")
-    if not isinstance(logits, torch.Tensor):  # explicit: the op itself raises the LossContractError
-        return [] if explicit else [f"policy_logits is a {type(logits).__name__}, not a torch.Tensor"]
-    device = logits.device
-    if device.type == "cuda":
-        return []
-    if explicit and os.environ.get("TRITON_INTERPRET") == "1":
-        return []
-    return [f"policy_logits is on {device}; the Triton backend needs CUDA tensors (or, when requested explicitly, "
-            f"TRITON_INTERPRET=1 for the CPU interpreter)"]
+    Reads nothing but the type and device of the first argument, `arg` (and, for the automatic choice, the fused
+    linear loss's `vocab_tile`): whatever else is wrong with the inputs is the chosen op's `LossContractError` (the
+    same from every backend), never an error of the dispatch."""
+
+    def reasons(args: tuple, kwargs: dict, explicit: bool) -> list[str]:
+        missing = _triton_installed()
+        if missing:
+            return missing
+        first = args[0] if args else kwargs.get(arg)
+        if not isinstance(first, torch.Tensor):  # explicit: the op itself raises the LossContractError
+            return [] if explicit else [f"{arg} is a {type(first).__name__}, not a torch.Tensor"]
+        if arg == "hidden" and not explicit:  # what `linear._kernels` reads for kernels='auto'
+            from .linear import MAX_TRITON_TILE, MIN_TRITON_TILE
+            width = kwargs.get("vocab_tile", DEFAULT_VOCAB_TILE)
+            if not (isinstance(width, int) and MIN_TRITON_TILE <= width <= MAX_TRITON_TILE):
+                return [f"vocab_tile={width!r}: the Triton kernels take tiles of {MIN_TRITON_TILE} to "
+                        f"{MAX_TRITON_TILE} columns"]
+        device = first.device
+        if device.type == "cuda":
+            return []
+        if explicit and os.environ.get("TRITON_INTERPRET") == "1":
+            return []
+        return [f"{arg} is on {device}; the Triton backend needs CUDA tensors (or, when requested explicitly, "
+                f"TRITON_INTERPRET=1 for the CPU interpreter)"]
+
+    return reasons
 
 
 kernel_registry = KernelRegistry()
-kernel_registry.register_op("grpo_loss", "triton", _lazy(".triton", "TritonGRPOLossOp"), _triton_reasons)
+kernel_registry.register_op("grpo_loss", "triton", _lazy(".triton", "TritonGRPOLossOp"),
+                            _triton_reasons("policy_logits"), _triton_installed)
 kernel_registry.register_op("grpo_loss", "native", _lazy(".native", "NativeGRPOLossOp"))
-kernel_registry.register_op("ratio_kl", "triton", _lazy(".triton", "TritonRatioKLOp"), _triton_reasons)
+kernel_registry.register_op("ratio_kl", "triton", _lazy(".triton", "TritonRatioKLOp"), _triton_reasons("policy_logits"),
+                            _triton_installed)
 kernel_registry.register_op("ratio_kl", "native", _lazy(".native", "NativeRatioKLOp"))
+kernel_registry.register_op("linear_grpo_loss", "triton", _lazy(".linear", "LinearGRPOLossOp", "triton"),
+                            _triton_reasons("hidden"), _triton_installed)
+kernel_registry.register_op("linear_grpo_loss", "torch", _lazy(".linear", "LinearGRPOLossOp", "torch"))
 kernel_registry.register_loss_backend("native", _lazy(".native", "NativeGRPOLossOp"))
 kernel_registry.register_loss_backend("distributed", _lazy(".distributed", "DistributedGRPOLossOp"))
+kernel_registry.register_loss_backend("linear", _lazy(".linear", "LinearGRPOLossOp"), automatic=False)

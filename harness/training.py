@@ -6,10 +6,10 @@ in the order of rank, then call. A sequence that moved is attributed to one side
 - `upstream`: what the loss was given moved (the hidden states or logits, `input_digest`; the given old or reference
   log-probs, `logps_digest`; the advantages): the model's forward, the data, the rewards or the batch composition;
 - `loss`: every input has the same bits and a per-sequence value moved (a term, the entropy): the loss computation;
-- `gradient`: inputs and values the same bits, only the gradient's digest moved: the loss's backward, or, when the
-  layouts differ, the normalizer, which spans the micro-batch (grpo, bnpo: each sequence's share of the micro-batch's
-  mean) or the process (DDP averages the processes' gradients, so each process's loss holds the world size), and
-  scales each sequence's gradient with it.
+- `scale`: inputs and values the same bits, the gradient moved by a power of two alone (its mantissas kept their
+  bits): the normalizer, which spans the micro-batch (grpo, bnpo: each sequence's share of the micro-batch's mean)
+  or the process (DDP averages the processes' gradients), so other layouts scale each sequence's gradient;
+- `gradient`: inputs and values the same bits, the gradient's mantissas moved: the loss's backward.
 The per-call scalars (loss, policy_loss, kl of one rank's micro-batch) are compared only when both runs have the same
 layout (world size, accumulation, micro-batch size): otherwise their micro-batches hold other sequences.
 """
@@ -27,7 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from grpo_core.recorder import DIGEST_FIELDS, LANES, SCALAR_FIELDS, SEQUENCE_FIELDS, schema
+from grpo_core.digest import LANES
+from grpo_core.recorder import DIGEST_FIELDS, SCALAR_FIELDS, SEQUENCE_FIELDS, schema
 
 from .cli import UsageError
 from .diff import plural, ulp_distance
@@ -35,13 +36,15 @@ from .record import TableError, bits_encode_values
 
 KEY = ["step", "sequence", "occurrence", "field"]
 INPUTS = ("input_digest", "logps_digest", "advantages")  # what the loss is given
+GRADIENT = ("grad_digest", "grad_mantissa_digest")
 LAYOUT = ("world_size", "gradient_accumulation_steps", "per_device_train_batch_size")
 FIELDS = SEQUENCE_FIELDS + DIGEST_FIELDS + SCALAR_FIELDS
 CAUSES = {"upstream": "what the loss was given moved (hidden states, log-probs or advantages): the model's forward, "
                       "the data, the rewards or the batch",
           "loss": "its inputs the same bits, a per-sequence value moved: the loss computation",
-          "gradient": "inputs and values the same bits, only the gradient moved: the loss's backward, or, with other "
-                      "layouts, the normalizer (a micro-batch's mean, or DDP's average over the processes) scaling it"}
+          "scale": "inputs and values the same bits, the gradient scaled by a power of two (its mantissas the same "
+                   "bits): the normalizer spans another micro-batch or process count",
+          "gradient": "inputs and values the same bits, the gradient's mantissas moved: the loss's backward"}
 
 
 def is_training_run(path: str | Path) -> bool:
@@ -162,15 +165,14 @@ def compare_training(a: pd.DataFrame, b: pd.DataFrame, scalars: bool) -> pd.Data
 
 def sequence_verdicts(diffs: pd.DataFrame) -> pd.DataFrame:
     """One row per moved (step, sequence, occurrence) present in both runs: the fields that moved, the largest ULP
-    distance, and `cause`: `upstream` (an input of the loss moved), `gradient` (inputs and every per-sequence value
-    the same bits, the gradient's digest moved) or `loss` (inputs the same, a per-sequence value moved)."""
+    distance, and `cause` (`CAUSES`)."""
     moved = diffs[(diffs["missing"] == "") & ~diffs["field"].isin(SCALAR_FIELDS)]
     rows = []
     for (step, seq, occ), d in moved.groupby(["step", "sequence", "occurrence"], sort=True):
         fields = sorted(d["field"])
         rows.append(dict(step=int(step), sequence=seq, occurrence=int(occ), fields=",".join(fields),
-                         cause="upstream" if set(fields) & set(INPUTS) else "gradient" if fields == ["grad_digest"]
-                         else "loss",
+                         cause="upstream" if set(fields) & set(INPUTS) else "scale" if fields == ["grad_digest"]
+                         else "gradient" if set(fields) <= set(GRADIENT) else "loss",
                          max_ulp=float(d["ulp"].max()) if d["ulp"].notna().any() else 0.0))
     return pd.DataFrame(rows, columns=["step", "sequence", "occurrence", "fields", "cause", "max_ulp"])
 
@@ -244,7 +246,7 @@ def verdict_text(c: dict[str, Any]) -> str:
     lines.append(f"first step where anything moved: {c['first']} ({plural(int(first['moved']), 'sequence')} moved: "
                  + _causes(first) + f"; {int(first['only_in_A']) + int(first['only_in_B'])} in one run only"
                  + ("; a per-call scalar moved" if first["scalar_moved"] else "") + ")")
-    total = steps[["upstream", "loss", "gradient"]].sum()
+    total = steps[list(CAUSES)].sum()
     lines.append(f"over all steps: {plural(len(v), 'sequence')} moved: " + _causes(total) + "; "
                  f"{int(steps['only_in_A'].sum()) + int(steps['only_in_B'].sum())} in one run only")
     lines += [f"  {cause}: {CAUSES[cause]}" for cause in CAUSES if total[cause]]
@@ -253,7 +255,7 @@ def verdict_text(c: dict[str, Any]) -> str:
 
 def _causes(counts) -> str:
     return (f"{int(counts['upstream'])} upstream of the loss, {int(counts['loss'])} in the loss, "
-            f"{int(counts['gradient'])} in the gradient alone")
+            f"{int(counts['scale'])} in the gradient's scale alone, {int(counts['gradient'])} in the gradient alone")
 
 
 def format_moved(verdicts: pd.DataFrame, diffs: pd.DataFrame, limit: int = 20) -> str:

@@ -452,7 +452,7 @@ def test_only_policy_logits_get_a_gradient_on_the_distributed_path():
 def test_preflight_comparison_is_symmetric_and_names_both_ranks():
     from grpo_core.distributed.preflight import _compare
     base = {"axis": "tp", "nonce": 3, "backend": "distributed/2", "fingerprint": "f", "fields": {"beta": "x"},
-            "groups": {"tp_group": 2, "dp_group": None}, "replicated": "d",
+            "groups": {"tp_group": 2, "dp_group": None}, "replicated": {"rewards": "d"}, "choices": {},
             "tensors": {"policy_local_logits": ["float32", "cpu", [4, 8, 512]], "rewards": ["float32", "cpu", [4]]}}
     a = {**base, "global_rank": 0, "axis_ranks": {"tp": 0, "dp": 0}}
     b = {**base, "global_rank": 1, "axis_ranks": {"tp": 1, "dp": 0}, "nonce": 4, "backend": "other",

@@ -13,7 +13,6 @@ from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, make_
 from grpo_core import GRPOLossContract, LossContractError, canonical, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 from grpo_core.linear import linear_grpo_loss
-from grpo_core.native import NativeGRPOLossOp
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 B, T, V, H = 4, 6, 37, 16
@@ -66,16 +65,16 @@ def run(backend, coef, top, temperature, level):
             completion_mask=i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, check_values="sync")
         loss, ent = res.loss, res.token_entropy
     elif backend == "native_contract":
-        res = NativeGRPOLossOp().apply(x, i["action_ids"], i["old_logps"], contract=contract(coef, top, temperature,
-                                                                                               level),
-                                       completion_mask=i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS)
+        res = kernel_registry.get_loss_op(contract(coef, top, temperature, level), backend="native").op.apply(
+            x, i["action_ids"], i["old_logps"], contract=contract(coef, top, temperature, level),
+            completion_mask=i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS)
         loss, ent = res.loss, res.token_entropy
     elif backend.startswith("linear"):
         x = i["policy_logits"].float().detach().clone().requires_grad_(True)
-        res = linear_grpo_loss(x, torch.eye(V, device=DEV), i["action_ids"], i["old_logps"], None,
-                               i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, beta=0.04,
-                               temperature=temperature, importance_sampling_level=level, entropy=True,
-                               entropy_coef=coef, top_entropy_quantile=top, kernels=backend.split("/")[1])
+        res = kernel_registry.get_op("linear_grpo_loss", backend=backend.split("/")[1])(
+            x, torch.eye(V, device=DEV), i["action_ids"], i["old_logps"], None, i["completion_mask"], advantages=ADV,
+            ref_logps=REF_LOGPS, beta=0.04, temperature=temperature, importance_sampling_level=level, entropy=True,
+            entropy_coef=coef, top_entropy_quantile=top)
         loss, ent = res.loss, res.token_entropy
     else:
         extra = {"check_values": "sync"} if backend == "triton" else {}

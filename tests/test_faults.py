@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from grpo_core import LossContractError, kernel_registry
+from grpo_core.distributed import DistributedGRPOLossOp
 from harness.topology import Layout, run_world
 from test_distributed_grpo_loss import OP, case_inputs, compare, contract_for, run_local
 
@@ -121,6 +122,8 @@ FAULTS = [
      lambda a, lay: a.update(is_ratio=torch.full_like(a["old"], 2.0)), "importance_sampling_ratio (at active tokens)"),
     ("TP siblings hold different masks", lambda lay: lay.tp > 1, {}, _flip_mask, "completion_mask"),
     ("call numbers out of step", lambda lay: True, {}, _lose_a_call, "sequence mismatch"),
+    ("another kernel set", lambda lay: True, {}, _set(op=DistributedGRPOLossOp("triton")),
+     "they disagree on kernels: "),
     ("NaN policy logit at an active token", lambda lay: True, {}, _nan_logit, None),  # after the preflight
 ]
 
@@ -132,7 +135,7 @@ def _args(inp: dict, lay: Layout, p, beta: float, ref: bool = True) -> dict:
     return dict(contract=c, policy=inp["policy_logits"][lo:hi, :, vlo:vhi], ref_full=ref_local,
                 ref=ref_local if ref else None, ids=inp["action_ids"][lo:hi], old=inp["old_logps"][lo:hi],
                 rewards=inp["rewards"][lo:hi], mask=inp["completion_mask"][lo:hi], tp_group=p.tp_group,
-                dp_group=p.dp_group, explode=False, is_ratio=None)
+                dp_group=p.dp_group, explode=False, is_ratio=None, op=OP)
 
 
 def _call(a: dict) -> None:
@@ -143,7 +146,7 @@ def _call(a: dict) -> None:
             raise RuntimeError("injected")
         module.check_inputs = explode
     try:
-        OP.apply(a["policy"], a["ids"], a["old"], a["rewards"], contract=a["contract"], completion_mask=a["mask"],
+        a["op"].apply(a["policy"], a["ids"], a["old"], a["rewards"], contract=a["contract"], completion_mask=a["mask"],
                  ref_local_logits=a["ref"], tp_group=a["tp_group"], dp_group=a["dp_group"],
                  importance_sampling_ratio=a["is_ratio"])
     finally:

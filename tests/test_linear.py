@@ -296,7 +296,8 @@ def test_bad_inputs_name_the_argument(change, match):
     ("rewards", r"rewards: the advantages of sequences \[0, 1\] are not finite: the sum or the variance"),
     ("masked group", r"rewards: the advantages of sequences \[0, 1\] are not finite: the sum or the variance"),
     ("advantages", r"loss: expected a finite float32 loss from finite inputs, got a non-finite one"),
-    ("hidden", r"policy_logits: expected finite log-probabilities at active tokens, got NaN at \(b, t\) \[\(1, 0\)\]"),
+    ("hidden", r"hidden / weight / bias: expected finite log-probabilities at active tokens, got NaN at \(b, t\) "
+               r"\[\(1, 0\)\]"),
 ])
 def test_what_is_found_after_the_chunks_raises_the_logits_ops_words(kernels, case, match):
     """Checked once, after the chunks are queued (one device sync): a group's reward variance that overflows fp32
@@ -359,3 +360,87 @@ def test_the_triton_chunk_size_changes_no_bit():
     for a, b, name in zip(g_many, g_one, "hwb"):
         if name != "b":  # the bias gradient is a pair tree per chunk, folded over the chunks
             assert_bitwise_equal(a, b, f"d {name}")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_an_integer_weight_or_bias_is_refused(kernels, which):
+    """An integer lm_head would give an all-zero hidden gradient: refused, naming the argument."""
+    h = torch.randn(2, 3, 16, requires_grad=True)
+    w, b = torch.randn(8, 16), None
+    if which == "weight":
+        w = torch.randint(-2, 3, (8, 16))
+    else:
+        b = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(LossContractError, match=rf"^{which}: expected dtype torch.float32 like hidden \(one matmul "
+                                                rf"dtype\), got torch.int64$"):
+        linear_grpo_loss(h, w, torch.randint(0, 8, (2, 3)), torch.full((2, 3), -2.), torch.tensor([1., 0.]), None,
+                         bias=b, beta=0., samples_per_prompt=2, kernels=kernels)
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 16), (0, 3, 16), (2, 3, 0)])
+def test_empty_hidden_states_name_hidden(shape):
+    B, T, H = shape
+    match = (r"hidden: expected a hidden size H >= 1, got shape \[2, 3, 0\]" if H == 0 else
+             rf"hidden: expected at least one sequence and one token \(B >= 1, T >= 1\), got shape \[{B}, {T}, 16\]")
+    with pytest.raises(LossContractError, match=match):
+        linear_grpo_loss(torch.randn(shape), torch.randn(8, H), torch.zeros((B, T), dtype=torch.long),
+                         torch.zeros(B, T), torch.zeros(B), None, beta=0.0, samples_per_prompt=1,
+                         advantage_std="none", kernels="torch")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_the_fused_loss_names_the_hidden_states_and_weights(kernels):
+    """A NaN weight row names hidden / weight (not the logits the caller never passed); reference hidden states
+    whose log-probs lie too far above the policy's name ref_hidden, not the rewards."""
+    inp = make(device="cpu")
+    inp["weight"][inp["action_ids"][0, 0]] = float("nan")
+    with pytest.raises(LossContractError, match=r"^hidden / weight / bias: expected finite log-probabilities at active "
+                                                r"tokens, got NaN at \(b, t\) \[\(0, 0\)"):
+        run(inp, kernels)
+    inp = make(device="cpu", bias=False)
+    inp["hidden"], inp["ref_hidden"] = inp["hidden"] * 1e4, inp["ref_hidden"] * 1e4
+    with pytest.raises(LossContractError, match=r"^ref_hidden: expected reference log-probs within float32 reach of "
+                                                r"the policy's, got a KL term that overflows float32"):
+        run(inp, kernels)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_logprobs_raise_the_losss_words(kernels):
+    """Non-finite log-probs at active tokens raise as in the loss; masked tokens may hold anything."""
+    inp = make(device="cpu")
+    hidden, ids, mask = inp["hidden"].clone(), inp["action_ids"], inp["completion_mask"]
+    hidden[1, 0, 3] = float("nan")
+    with pytest.raises(LossContractError, match=r"^hidden / weight: expected finite log-probabilities at active "
+                                                r"tokens, got NaN at \(b, t\) \[\(1, 0\)\]"):
+        linear_logprobs(hidden, inp["weight"], ids, mask, kernels=kernels)
+    masked = mask.clone()
+    masked[1, 0] = False
+    assert torch.isfinite(linear_logprobs(hidden, inp["weight"], ids, masked, kernels=kernels)).all()
+    bias = torch.zeros(inp["weight"].shape[0])
+    bias[ids[0, 0]] = -float("inf")
+    with pytest.raises(LossContractError, match=r"^hidden / weight / bias: expected finite log-probabilities at active "
+                                                r"tokens, got -inf at \(b, t\) \[\(0, 0\)"):
+        linear_logprobs(inp["hidden"], inp["weight"], ids, mask, bias=bias, kernels=kernels)
+
+
+@pytest.mark.parametrize("num_items, shown", [(-5, "-5.0"), (float("nan"), "nan"), (torch.tensor(float("inf")), "inf")])
+def test_grpo_linear_loss_refuses_a_bad_token_count(num_items, shown):
+    from grpo_core.integrations.trl import GRPOLinearLoss
+    inp = make(device="cpu")
+    with pytest.raises(ValueError, match=rf"^num_items_in_batch: expected a finite token count >= 0, got {shown}$"):
+        GRPOLinearLoss(beta=0.0)(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"],
+                                 inp["rewards"], num_items_in_batch=num_items)
+
+
+@pytest.mark.parametrize("num_items", [0.5, 3, 0])
+def test_grpo_linear_loss_divides_by_the_token_count_as_given(num_items):
+    """TRL's dapo normalizer: the count over the world size, a count of 0 taken as 1 (TRL's clamp); never raised."""
+    from grpo_core.integrations.trl import GRPOLinearLoss
+    inp = make(device="cpu")
+    got = GRPOLinearLoss(beta=0.0)(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"],
+                                   inp["rewards"], num_items_in_batch=num_items)[0]
+    want = linear_grpo_loss(inp["hidden"], inp["weight"], inp["action_ids"], None, None, inp["completion_mask"],
+                            advantages=inp["rewards"], beta=0.0, normalizer="fixed_constant",
+                            normalizer_constant=float(num_items or 1.0)).loss
+    assert_bitwise_equal(got, want, "loss")

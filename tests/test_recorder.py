@@ -1,111 +1,27 @@
 """The training-run recorder (`grpo_core.recorder`) and the comparison of two recorded runs (`harness/training.py`):
-digests against a pure-Python oracle, keys, the run table, its checks, and the diff's attribution on runs made here
-with the fused linear loss (no trainer: `tests/test_trl_record.py` records TRL runs)."""
+keys, the run table, its checks, and the diff's attribution on runs made here with the fused linear loss (no trainer:
+`tests/test_trl_record.py` records TRL runs)."""
 
 from __future__ import annotations
 
 import contextlib
-import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 from unittest import mock
 
-import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from grpo_core.linear import LinearGRPOLossOp, linear_grpo_loss
-from grpo_core.recorder import LANES, PRIME, TrainingRecorder, row_digests, sequence_keys
+from grpo_core.recorder import TrainingRecorder, sequence_keys
 from harness.record import TableError
 from harness.scenarios import RegroupedLinearOp
 from harness.training import read_training_run, training_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _py_weights(n: int, salt: int) -> list[list[int]]:
-    out = []
-    for lane in range(LANES):
-        row = []
-        for i in range(n):
-            x = (i * 0x9E3779B1 + lane * 0x85EBCA77 + salt * 0xC2B2AE3D) % PRIME
-            for mult in (0x27D4EB2F, 0x165667B1):
-                x = (x ^ (x >> 15)) * mult % PRIME
-            row.append(x or 1)
-        out.append(row)
-    return out
-
-
-def _py_digest(x: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """The digest from its definition, in Python integers: each element's bit pattern in 16-bit pieces (low first),
-    a row's lanes the sums of piece x column weight mod p, a sequence's the sums of row x row weight mod p."""
-    fmt = {torch.float32: "<f", torch.bfloat16: None, torch.float16: "<e"}[x.dtype]
-    B, T = mask.shape
-    flat = x.reshape(B, T, -1)
-    out = []
-    for b in range(B):
-        lanes, ordinal = [0] * LANES, 0
-        for t in range(T):
-            if not mask[b, t]:
-                continue
-            pieces = []
-            for v in flat[b, t]:
-                if fmt is None:
-                    pieces.append(int(v.view(torch.int16)) & 0xFFFF)
-                else:
-                    word = int.from_bytes(struct.pack(fmt, float(v)), "little")
-                    pieces += [(word >> (16 * k)) & 0xFFFF for k in range(struct.calcsize(fmt) // 2)]
-            cols, rows = _py_weights(len(pieces), 1), _py_weights(T, 2)
-            for lane in range(LANES):
-                h = sum(p * cols[lane][i] % PRIME for i, p in enumerate(pieces)) % PRIME
-                lanes[lane] = (lanes[lane] + h * rows[lane][ordinal] % PRIME) % PRIME
-            ordinal += 1
-        out.append(lanes)
-    return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_row_digests_match_their_definition(dtype):
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(3, 5, 7, generator=g) * 100).to(dtype)
-    mask = torch.rand(3, 5, generator=g) < 0.7
-    mask[2] = False  # a sequence without an active row: all lanes 0
-    assert row_digests(x, mask).tolist() == _py_digest(x, mask)
-    assert row_digests(x, mask)[2].tolist() == [0] * LANES
-
-
-def test_row_digests_see_every_bit_and_only_the_active_rows():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 6, 16, generator=g)
-    mask = torch.rand(4, 6, generator=g) < 0.6
-    mask[:, 0] = True
-    base = row_digests(x, mask)
-    # padding and batch position never enter: other values under the mask, the sequences reordered, a longer padding
-    y = torch.where(mask[..., None], x, torch.randn(4, 6, 16, generator=g))
-    assert torch.equal(row_digests(y, mask), base)
-    perm = torch.tensor([2, 0, 3, 1])
-    assert torch.equal(row_digests(x[perm], mask[perm]), base[perm])
-    padded, pmask = torch.nn.functional.pad(x, (0, 0, 3, 0)), torch.nn.functional.pad(mask, (3, 0))
-    assert torch.equal(row_digests(padded, pmask), base)
-    # one bit anywhere in an active row moves every lane of that sequence's digest, and no other sequence's
-    for b, t, h, bit in ((0, 0, 0, 0), (1, int(mask[1].nonzero()[-1]), 15, 31), (3, 0, 7, 22)):
-        z = x.clone()
-        z.view(torch.int32)[b, t, h] ^= 1 << bit
-        moved = row_digests(z, mask) != base
-        assert moved[b].all() and not moved[[i for i in range(4) if i != b]].any()
-    # -0.0 is not +0.0, and swapping two rows of a sequence is a change
-    z = x.clone()
-    z[0, 0, 0] = 0.0
-    w = z.clone()
-    w[0, 0, 0] = -0.0
-    assert (row_digests(z, mask)[0] != row_digests(w, mask)[0]).all()
-    rows = mask[0].nonzero().flatten()[:2]
-    z = x.clone()
-    z[0, rows] = x[0, rows.flip(0)]
-    assert (row_digests(z, mask)[0] != base[0]).all()
 
 
 def test_sequence_keys_read_the_active_tokens_only():
@@ -174,7 +90,7 @@ def test_recorded_run_reads_back_with_its_bits(tmp_path):
     assert got == res.per_sequence_policy.view(torch.int32).tolist()
     assert set(df[df["step"] == 1]["field"]) == {"loss", "policy_loss", "kl", "per_sequence_policy", "per_sequence_kl",
                                                 "advantages", "per_sequence_active_tokens", "input_digest",
-                                                "logps_digest", "grad_digest"}
+                                                "logps_digest", "grad_digest", "grad_mantissa_digest"}
 
 
 def test_same_run_is_identical_and_a_planted_loss_change_is_named(tmp_path):
@@ -276,3 +192,20 @@ def test_a_long_run_reads_and_diffs_in_seconds(tmp_path):
     print(f"1000 steps x 64 sequences (128,000 rows a run): read twice and compared in "
           f"{time.monotonic() - start:.1f} s")
     assert c["first"] is None and len(c["steps"]) == 1000 and c["steps"]["sequences"].eq(64).all()
+
+
+
+def test_a_rank_records_its_own_sequences_of_a_whole_batch_result(tmp_path):
+    """The contract path's result covers the whole batch on every DP rank: `sequences=(lo, hi)` picks this rank's."""
+    b = _batch(4)
+    res = linear_grpo_loss(b["hidden"], b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                           advantages=b["rewards"], beta=0.0, kernels="torch")
+    rec = TrainingRecorder(tmp_path / "r", rank=1)
+    rec.record(res, step=1, input=b["hidden"][4:], completion_ids=b["ids"][4:], completion_mask=b["mask"][4:],
+               prompt_ids=b["prompt"][4:], sequences=(4, 8))
+    rec.close()
+    df, meta = read_training_run(tmp_path / "r")
+    assert meta["ranks"] == [1]
+    got = df[df["field"] == "per_sequence_kl"].set_index("sequence").loc[
+        sequence_keys(b["ids"][4:], b["mask"][4:], b["prompt"][4:]), "bits"].tolist()
+    assert got == res.per_sequence_kl[4:].view(torch.int32).tolist()

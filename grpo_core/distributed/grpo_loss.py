@@ -56,16 +56,134 @@ def gather_sequences(local: torch.Tensor, contract: GRPOLossContract, dp_group: 
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
+def replicated_inputs(completion_mask: torch.Tensor, action_ids: torch.Tensor, old_logps: torch.Tensor | None,
+                      rewards: torch.Tensor | None, advantages: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                      importance_sampling_ratio: torch.Tensor | None, sampling_logps: torch.Tensor | None,
+                      **more: torch.Tensor | None) -> dict[str, str | None]:
+    """`replicated_digest` of the per-token inputs TP peers must share, each read at active tokens only (masked
+    tokens may hold anything), and of `more` as given."""
+    active = completion_mask.bool()
+
+    def at_active(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.where(active, t, 0)
+
+    given = None
+    if advantages is not None:  # only what active tokens read must agree
+        given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
+    return replicated_digest(completion_mask=completion_mask, action_ids=at_active(action_ids),
+                             old_logps=at_active(old_logps), rewards=rewards, advantages=given,
+                             ref_logps=at_active(ref_logps),
+                             importance_sampling_ratio=at_active(importance_sampling_ratio),
+                             sampling_logps=at_active(sampling_logps), **more)
+
+
 def gathered_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, contract: GRPOLossContract,
                           dp_group: Any) -> torch.Tensor:
     """This rank's `[n_local, T]` of `canonical.entropy_keep` over the whole batch's entropies and mask (gathered:
-    every rank computes the same quantile): the active tokens whose policy terms are kept."""
+    every rank computes the same quantile): the active tokens whose policy terms are kept (`mask` itself at
+    top_entropy_quantile = 1)."""
     top = contract.top_entropy_quantile
     if top == 1.0:
         return mask
     lo, hi = contract.sharding.sequence_bounds
     every = gather_sequences(mask.to(torch.uint8), contract, dp_group).bool()
     return canonical.entropy_keep(gather_sequences(entropy, contract, dp_group), every, top)[lo:hi]
+
+
+# The stages both contract-path ops (this one and `linear.LinearGRPOLossOp`) walk, in their order: the preflight
+# (`preflight.py`), the advantages, the log-probs (each op's own), the token terms and their sums per sequence, the
+# gathers over DP (`LossCall.gather`), the finish (the scalars), the checks, the gradient's coefficients, the result.
+
+def advantages_stage(c: LossCall, rewards: torch.Tensor | None, advantages: torch.Tensor | None, k: Any = None):
+    """`(advantages of the whole batch, this rank's as the token terms read them, this rank's fp32 rewards, the whole
+    batch's)`, the rewards None when the contract takes advantages: from the gathered rewards, normalized per group
+    on every rank (`k.group_advantages`, the torch kernels' by default), or as given (gathered for the result)."""
+    k = k or _TorchKernels
+    if c.contract.advantages_input is AdvantagesInput.REWARDS:
+        seq_lo, seq_hi = c.contract.sharding.sequence_bounds
+        rewards_local = rewards.detach().to(torch.float32)
+        rewards_all = c.gather(rewards_local)
+        advantages_all = k.group_advantages(rewards_all, c.contract)
+        return advantages_all, advantages_all[seq_lo:seq_hi], rewards_local, rewards_all
+    given = advantages.detach().to(torch.float32, copy=True)
+    return c.gather(given), k.token_advantages(given, c.mask), None, None
+
+
+def token_terms(c: LossCall, logp: torch.Tensor, logp_ref: torch.Tensor | None, adv: torch.Tensor,
+                ent: torch.Tensor | None, exp: Callable[[torch.Tensor], torch.Tensor],
+                token_sum: Callable[[torch.Tensor], torch.Tensor]):
+    """The token terms of this rank's sequences (fp32 `[n, T]` log-probs, `ent` the entropies or None) and their
+    sums: `(sums [surrogate, KL, ratio (, entropy, kept entropy)] fp32 [n] each, ints [clipped tokens (, kept
+    tokens)] int64 [n] each, vespo's phi or None, (ratio, importance weights, kept tokens))`."""
+    o = c.contract
+    lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
+    ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl,
+                                           sequence=c.sequence)
+    local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
+    keep = None if ent is None else gathered_entropy_keep(ent, c.mask, o, c.dp_group)
+    w_is, phi = c.weights(logp, adv, exp, keep)
+    policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
+                                         o.sapo_temperatures)
+    sums, ints = [token_sum(policy), token_sum(kl_tok), local_ratio], [local_clipped]
+    if ent is not None:  # the entropy's sums over the active tokens and over the kept ones, and the kept tokens
+        sums += [token_sum(ent), token_sum(torch.where(keep, ent, 0.0))]
+        ints.append(keep.sum(-1))
+    return sums, ints, phi, (ratio, w_is, keep)
+
+
+def finish_stage(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
+    """`((loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean), token weights [S])` of the whole batch's
+    per-sequence vectors: `sums` as `token_terms` gives them, `ints` [active tokens, non-finite log-probs, clipped
+    tokens (, kept tokens)]."""
+    counts, _, clipped = ints[:3]
+    loss, policy_loss, kl = canonical.combine(sums[0], sums[1], counts, contract.beta, contract.normalizer,
+                                              contract.normalizer_value)
+    if contract.entropy_coef != 0.0:
+        loss = loss - canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[0]
+    metrics = canonical.batch_metrics(sums[2], sums[1], clipped, counts)
+    return (loss, policy_loss, kl, *metrics), canonical.token_weights(counts, contract.normalizer,
+                                                                       contract.normalizer_value)
+
+
+def check_everywhere(c: LossCall, flags: torch.Tensor, loss: torch.Tensor, logp: torch.Tensor,
+                     logp_ref: torch.Tensor | None, derived: tuple | None,
+                     names: tuple[str, str] = ("policy_logits", "ref_logits"), kl: torch.Tensor | None = None) -> None:
+    """Raises now, on every rank together: every rank holds the gathered `flags` (non-finite log-probs per
+    sequence), `derived` (the whole batch's `(advantages, rewards, groups)`, or None) and the loss. `names`: the
+    arguments the log-probs come from; `kl`: the per-sequence KL sums, for `check_loss`'s words (`names[1]`)."""
+    if bool(flags.any()):
+        check_logprobs_everywhere(logp, logp_ref, c.mask, c.gather, names)
+    if derived is not None:
+        check_derived_advantages(*derived)
+    check_loss(loss, kl, names[1])
+
+
+def loss_coef(c: LossCall, ratio: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor | None, adv: torch.Tensor,
+              w: torch.Tensor, w_is: torch.Tensor | None) -> torch.Tensor:
+    """Each token's `d loss / d logp` fp32 `[n, T]` (`w`: this rank's sequences' token weights, `finish_stage`)."""
+    o = c.contract
+    lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
+    return (canonical.sequence_coef if c.sequence else canonical.token_coef)(
+        ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, w_is, o.use_bias_correction_kl,
+        o.surrogate, o.sapo_temperatures)
+
+
+def result_stage(c: LossCall, loss: torch.Tensor, scalars: tuple, sums: torch.Tensor, ints: torch.Tensor,
+                 advantages_all: torch.Tensor, phi: torch.Tensor | None, ent: torch.Tensor | None,
+                 ran: dict[str, Any]) -> GRPOLossResult:
+    """The result from the finished call (`ran`: `provenance` of the op and its kernels, completed here)."""
+    o, s = c.contract, c.contract.sharding
+    _, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
+    if o.sequence_clip:
+        clip_fraction = canonical.sequence_clip_fraction(ints[2])
+    return GRPOLossResult(
+        loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=sums[0], per_sequence_kl=sums[1],
+        advantages=advantages_all, per_sequence_active_tokens=ints[0], clip_fraction=clip_fraction,
+        mean_ratio=mean_ratio, kl_token_mean=kl_token_mean, vespo_phi=None if phi is None else c.gather(phi),
+        **({} if ent is None else entropy_fields(c.gather(ent), sums[3], ints[0])),
+        provenance={**ran, "fingerprint": o.fingerprint(), "tile_width": o.logprob_contract.tile_width,
+                    "tp_world_size": s.tp_world_size, "dp_world_size": s.dp_world_size,
+                    "determinism_scope": o.determinism_scope.value})
 
 
 class _Loss(torch.autograd.Function):
@@ -186,40 +304,19 @@ class DistributedGRPOLossOp:
                                 importance_sampling_ratio=importance_sampling_ratio,
                                 sampling_logps=sampling_logps)  # Triton: flags, no sync
 
-        def replicated() -> str:  # compared on the TP axis only
+        def replicated() -> dict[str, str | None]:  # compared on the TP axis only
             if contract.sharding.tp_world_size == 1:
-                return ""
-            active = completion_mask.bool()
-            given = None
-            if advantages is not None:  # only what active tokens read must agree
-                given = torch.where(active if advantages.dim() == 2 else active.any(-1), advantages, 0)
-            return replicated_digest(completion_mask, torch.where(active, action_ids, 0),
-                                     torch.where(active, old_logps, 0), rewards, given,
-                                     None if ref_logps is None else torch.where(active, ref_logps, 0),
-                                     None if importance_sampling_ratio is None else
-                                     torch.where(active, importance_sampling_ratio, 0),
-                                     None if sampling_logps is None else torch.where(active, sampling_logps, 0))
+                return {}
+            return replicated_inputs(completion_mask, action_ids, old_logps, rewards, advantages, ref_logps,
+                                     importance_sampling_ratio, sampling_logps)
 
-        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group)
+        mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group,
+                         lambda: {"kernels": "triton" if triton_runs else "torch"})
         k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
-        c = _Call(contract, mask, action_ids, completion_mask, old_logps.detach().to(torch.float32),
-                  inverse_temperature(contract.temperature),
-                  canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate),
-                  tp_group, dp_group, check_values, None if importance_sampling_ratio is None else
-                  canonical.given_logprobs(importance_sampling_ratio, mask),
-                  contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE,
-                  None if sampling_logps is None else sampling_logps.detach().to(torch.float32))
+        c = LossCall.of(contract, mask, action_ids, completion_mask, old_logps, importance_sampling_ratio,
+                        sampling_logps, tp_group, dp_group, check_values)
         seq_lo, seq_hi = contract.sharding.sequence_bounds
-        rewards_local = rewards_all = None
-        if contract.advantages_input is AdvantagesInput.REWARDS:
-            rewards_local = rewards.detach().to(torch.float32)
-            rewards_all = c.gather(rewards_local)
-            advantages_all = k.group_advantages(rewards_all, contract)
-            adv = advantages_all[seq_lo:seq_hi]
-        else:
-            given = advantages.detach().to(torch.float32, copy=True)
-            advantages_all = c.gather(given)  # as given, for the result
-            adv = k.token_advantages(given, mask)
+        advantages_all, adv, rewards_local, rewards_all = advantages_stage(c, rewards, advantages, k)
         given_ref = None if ref_logps is None else canonical.given_logprobs(ref_logps, mask)
         ref = None if ref_local_logits is None else ref_local_logits.detach()
         logp, logp_ref, sums, ints, phi, ent, state = k.forward(c, policy_local_logits.detach(), ref, given_ref, adv,
@@ -227,9 +324,7 @@ class DistributedGRPOLossOp:
         # Every rank holds the whole batch's per-sequence vectors, gathered in DP-rank order.
         ints, sums = c.gather(ints.T).T.contiguous(), c.gather(sums.T).T.contiguous()
         scalars, w, flag = k.finish(sums, ints, contract)
-        loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean = scalars
-        if contract.sequence_clip:
-            clip_fraction = canonical.sequence_clip_fraction(ints[2])
+        loss = scalars[0]
         k.settle(c, (policy_local_logits, ref_local_logits, ref_logps, old_logps, rewards, advantages,
                      importance_sampling_ratio, sampling_logps), flag, ints[1],
                  loss, logp, logp_ref, None if rewards_all is None else (advantages_all, rewards_all, contract.groups))
@@ -238,21 +333,12 @@ class DistributedGRPOLossOp:
             ent_w = None if ent is None else canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[1]
             loss = _Loss.apply(policy_local_logits, loss,
                                lambda logits, grad_loss: k.grad(c, state, logp, logp_ref, w, logits, grad_loss, ent_w))
-        s = contract.sharding
-        return GRPOLossResult(
-            loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=sums[0], per_sequence_kl=sums[1],
-            advantages=advantages_all, per_sequence_active_tokens=ints[0], clip_fraction=clip_fraction,
-            mean_ratio=mean_ratio, kl_token_mean=kl_token_mean,
-            vespo_phi=None if phi is None else c.gather(phi),
-            **({} if ent is None else entropy_fields(c.gather(ent), sums[3], ints[0])),
-            provenance=provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID, kernels=k.name,
-                                  fingerprint=contract.fingerprint(), tile_width=contract.logprob_contract.tile_width,
-                                  tp_world_size=s.tp_world_size, dp_world_size=s.dp_world_size,
-                                  determinism_scope=contract.determinism_scope.value))
+        return result_stage(c, loss, scalars, sums, ints, advantages_all, phi, ent,
+                            provenance(self.backend, policy_local_logits, backend_id=BACKEND_ID, kernels=k.name))
 
 
 @dataclass(frozen=True)
-class _Call:
+class LossCall:
     """What the kernel sets read of one call, and the options they take. The inputs that only a deferred check
     re-reads go to `settle` alone: the gradient's closure keeps this, and must not keep the logits alive."""
 
@@ -270,6 +356,23 @@ class _Call:
     sequence: bool  # GSPO: every token reads its sequence's ratio (`canonical.sequence_coef` for the gradient)
     sampling: torch.Tensor | None  # fp32 [n_local, T]: the off-policy mask's sampler log-probs (None: `old`)
 
+    @classmethod
+    def of(cls, contract: GRPOLossContract, mask: torch.Tensor, action_ids: torch.Tensor,
+           completion_mask: torch.Tensor, old_logps: torch.Tensor | None,
+           importance_sampling_ratio: torch.Tensor | None, sampling_logps: torch.Tensor | None, tp_group: Any,
+           dp_group: Any, check_values: str = "sync") -> LossCall:
+        """The call's inputs as the stages read them (`old_logps` None: `old` None until the op's own log-probs
+        take its place)."""
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to(torch.float32)
+
+        return cls(contract, mask, action_ids, completion_mask, fp32(old_logps),
+                   inverse_temperature(contract.temperature),
+                   canonical.bounds(contract.clip_eps, contract.clip_eps_high, contract.surrogate), tp_group, dp_group,
+                   check_values, None if importance_sampling_ratio is None else
+                   canonical.given_logprobs(importance_sampling_ratio, mask),
+                   contract.importance_sampling_level is ImportanceSamplingLevel.SEQUENCE, fp32(sampling_logps))
+
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_sequences(local, self.contract, self.dp_group)
 
@@ -280,8 +383,7 @@ class _Call:
         rank's sequences (`canonical.importance_weights`, from this rank's whole sequences)."""
         o = self.contract
         return canonical.importance_weights(logp, self.old, adv, self.mask, self.is_ratio,
-                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp,
-                                            None if o.top_entropy_quantile == 1.0 else keep)
+                                            o.off_policy_mask_threshold, self.sampling, o.vespo_gamma, exp, keep)
 
 
 class _TorchKernels:
@@ -301,13 +403,12 @@ class _TorchKernels:
     def token_advantages(given: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return canonical.used_advantages(given, mask)
 
-    def forward(self, c: _Call, x, ref, given_ref, adv, rewards):
+    def forward(self, c: LossCall, x, ref, given_ref, adv, rewards):
         """`(logp, logp_ref, per-sequence sums fp32 [3, n] (surrogate, KL, ratio), ints int64 [3, n] (active tokens,
         non-finite log-probs, clipped tokens), vespo's phi (or None), what the gradient needs)`. (`rewards`: the
         Triton kernels' use.)"""
         n, T = c.mask.shape
         lp = c.contract.logprob_contract
-        lo_t, hi_t = canonical.fp32(c.clip[0], c.old), canonical.fp32(c.clip[1], c.old)
         rows = c.mask.reshape(-1).nonzero().squeeze(1)
         ids = c.action_ids.reshape(-1)[rows].long()
 
@@ -319,60 +420,33 @@ class _TorchKernels:
             return full.index_put((rows,), selected - lse).view(n, T), lse, ~torch.isfinite(selected - lse), *ent
 
         logp, lse, bad_rows, *ent = logprobs(x, c.contract.entropy)
+        ent = ent[0] if ent else None
         logp_ref = given_ref  # checked finite at active tokens by the preflight
         if ref is not None:
             logp_ref, _, bad_ref = logprobs(ref)
             bad_rows |= bad_ref
-        o = c.contract
-        ratio, kl_tok = canonical.ratio_and_kl(logp, logp_ref, c.old, c.mask, bias_kl=o.use_bias_correction_kl,
-                                               sequence=c.sequence)
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
-        local_ratio, local_clipped = canonical.sequence_metrics(ratio, adv, c.mask, lo_t, hi_t)
-        keep = gathered_entropy_keep(ent[0], c.mask, c.contract, c.dp_group) if ent else None
-        w_is, phi = c.weights(logp, adv, canonical.exp, keep)
-        policy = canonical.clipped_surrogate(ratio, adv, c.mask, lo_t, hi_t, o.delta, w_is, o.surrogate, logp,
-                                             o.sapo_temperatures)
-        sums = [self.token_sum(policy), self.token_sum(kl_tok), local_ratio]
-        ints = [c.mask.sum(-1), bad.view(n, T).sum(-1), local_clipped]
-        if ent:  # the entropy's sums over the active tokens and over the kept ones, and the kept tokens
-            sums += [self.token_sum(ent[0]), self.token_sum(torch.where(keep, ent[0], 0.0))]
-            ints.append(keep.sum(-1))
-        return (logp, logp_ref, torch.stack(sums), torch.stack(ints), phi, ent[0] if ent else None,
-                (rows, ids, lse, ratio, adv, lo_t, hi_t, w_is, keep, ent[0] if ent else None))
+        sums, ints, phi, (ratio, w_is, keep) = token_terms(c, logp, logp_ref, adv, ent, canonical.exp, self.token_sum)
+        return (logp, logp_ref, torch.stack(sums), torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), *ints]), phi,
+                ent, (rows, ids, lse, ratio, adv, w_is, keep, ent))
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
-        """`((loss, policy_loss, kl, clip_fraction, mean_ratio, kl_token_mean), token weights [S], no flag)` of the
-        whole batch's per-sequence vectors."""
-        counts, _, clipped = ints[:3]
-        loss, policy_loss, kl = canonical.combine(sums[0], sums[1], counts, contract.beta, contract.normalizer,
-                                                  contract.normalizer_value)
-        if contract.entropy_coef != 0.0:
-            loss = loss - canonical.entropy_bonus(sums[4], ints[3], contract.entropy_coef)[0]
-        metrics = canonical.batch_metrics(sums[2], sums[1], clipped, counts)
-        return (loss, policy_loss, kl, *metrics), canonical.token_weights(counts, contract.normalizer,
-                                                                           contract.normalizer_value), None
+        """`finish_stage`, and no flag."""
+        return (*finish_stage(sums, ints, contract), None)
 
     @staticmethod
-    def settle(c: _Call, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
-        """Raises now, on every rank together: every rank holds the gathered `flags` (non-finite log-probs per
-        sequence), `derived` (the whole batch's `(advantages, rewards, groups)`, or None) and the loss. (`inputs`
-        and `flag`, None here: the Triton kernels' use.)"""
-        if bool(flags.any()):
-            check_logprobs_everywhere(logp, logp_ref, c.mask, c.gather)
-        if derived is not None:
-            check_derived_advantages(*derived)
-        check_loss(loss)
+    def settle(c: LossCall, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
+        """Raises now (`check_everywhere`). (`inputs` and `flag`, None here: the Triton kernels' use.)"""
+        check_everywhere(c, flags, loss, logp, logp_ref, derived)
 
     @staticmethod
-    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss, entropy_weight=None) -> torch.Tensor:
+    def grad(c: LossCall, state, logp, logp_ref, w, logits, grad_loss, entropy_weight=None) -> torch.Tensor:
         """`d loss / d logits` times `grad_loss`; `entropy_weight` (fp32 0-d): each kept token's weight in the entropy
         bonus (`canonical.entropy_bonus`)."""
-        rows, ids, lse, ratio, adv, lo_t, hi_t, w_is, keep, ent = state
+        rows, ids, lse, ratio, adv, w_is, keep, ent = state
         o = c.contract
-        coef = (canonical.sequence_coef if c.sequence else canonical.token_coef)(
-            ratio, logp, logp_ref, adv, w, c.mask, lo_t, hi_t, o.beta, o.delta, w_is, o.use_bias_correction_kl,
-            o.surrogate, o.sapo_temperatures)
+        coef = loss_coef(c, ratio, logp, logp_ref, adv, w, w_is)
         flat = logits.reshape(-1, logits.shape[-1])
         grad = torch.zeros(flat.shape, dtype=logits.dtype, device=logits.device)
         scaled = coef.reshape(-1)[rows] * grad_loss
@@ -405,7 +479,7 @@ class _TritonKernels:
         return given  # the kernels read what active tokens read
 
     @staticmethod
-    def forward(c: _Call, x, ref, given_ref, adv, rewards):
+    def forward(c: LossCall, x, ref, given_ref, adv, rewards):
         """As `_TorchKernels.forward`; the flags also cover the inputs' values (`kernels.sequence_sums`), and
         `rewards` (fp32, this rank's, or None) are checked."""
         from ..triton import canonical as kernels
@@ -460,7 +534,7 @@ class _TritonKernels:
         return scalars, w, flag
 
     @staticmethod
-    def settle(c: _Call, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
+    def settle(c: LossCall, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
         """Hands `flag` to `pending` with this rank's `inputs` (policy and reference logits, `ref_logps`,
         `old_logps`, rewards, advantages, as given) by `c.check_values`; the precise error comes from the rank that
         holds the bad value, the others name the sequences; every rank of the world raises at the same call (the
@@ -496,7 +570,7 @@ class _TritonKernels:
                           group=(c.tp_group, c.dp_group) if s.tp_world_size * s.dp_world_size > 1 else None)
 
     @staticmethod
-    def grad(c: _Call, state, logp, logp_ref, w, logits, grad_loss, entropy_weight=None) -> torch.Tensor:
+    def grad(c: LossCall, state, logp, logp_ref, w, logits, grad_loss, entropy_weight=None) -> torch.Tensor:
         from ..triton import canonical as kernels
         lse, adv, ratio, w_is, keep, ent = state
         o = c.contract

@@ -8,13 +8,14 @@ checking or describing the arguments) becomes this rank's error message and trav
 
 What travels: each rank's payload (`all_gather_object`) carries every structural choice: backend id, contract
 fingerprint and numeric fields, which groups were passed (None or their size; rank indices from the contract),
-whether ref logits are present, dtype, device type and shape of every tensor argument (the dims an axis shards
-are left out of that axis' comparison), a digest of the inputs TP siblings must share, this rank's errors, and
-a call sequence number per axis. It is gathered on the DP axis, then on the TP axis (carrying what the DP axis
-reported), then on the DP axis again (carrying what the TP axis found), so that whatever is found anywhere
-reaches every rank of the grid. All three stages run whatever was found before, so every rank makes the same
-collectives in every call. A message says which rank it comes from (`rank 3: ...`, or `ranks 1 and 3: ...`
-for a disagreement between two ranks, worded the same from either side so that merging removes duplicates).
+whether ref logits are present, dtype, device type and shape of every tensor argument (the dims an axis shards are
+left out of that axis' comparison), the choices a rank makes alone (the kernel set, the gradients wanted), digests
+of the inputs TP siblings must share (the hidden states' by `digest.row_digests`, on the device: a few bytes travel), this
+rank's errors, and a call sequence number per axis. It is gathered on the DP axis, then on the TP axis (carrying
+what the DP axis reported), then on the DP axis again (carrying what the TP axis found), so that whatever is found
+anywhere reaches every rank of the grid. All three stages run whatever was found before, so every rank makes the
+same collectives in every call. A message says which rank it comes from (`rank 3: ...`, or `ranks 1 and 3: ...` for
+a disagreement between two ranks, worded the same from either side so that merging removes duplicates).
 
 Sequence numbers. Each rank counts its calls per axis seat (axis, the contract's TP and DP sizes and this
 rank's place in them), a call whose handle is missing included, and per group handle (the largest number seen
@@ -53,14 +54,18 @@ _group_calls: dict[Any, int] = {}  # group handle -> the largest sequence number
 _owed: dict[tuple, list[dict]] = {}  # seat -> payloads of calls that could not gather on it (missing handle)
 
 
-def replicated_digest(*tensors: torch.Tensor | None) -> str:
-    """A digest of tensors that TP siblings must hold identically (mask, ids, old log-probs, rewards)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is not None:
-            h.update(str((tuple(t.shape), t.dtype)).encode())
-            h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:32]
+def replicated_digest(**tensors: torch.Tensor | None) -> dict[str, str | None]:
+    """Per argument, a digest of what TP siblings must hold identically (mask, ids, old log-probs, rewards, the
+    `row_digests` of the hidden states); None for an argument not passed."""
+    out: dict[str, str | None] = {}
+    for name, t in tensors.items():
+        if t is None:
+            out[name] = None
+            continue
+        h = hashlib.sha256(str((tuple(t.shape), t.dtype)).encode())
+        h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+        out[name] = h.hexdigest()[:32]
+    return out
 
 
 def _group_size(group: Any) -> int | None:
@@ -144,10 +149,14 @@ def _compare(mine: dict, theirs: dict, axis: str) -> list[str]:
     if lo["backend"] != hi["backend"]:
         differ("the backend", lo["backend"], hi["backend"])
     if lo["fingerprint"] != hi["fingerprint"] and None not in (lo["fields"], hi["fields"]):
-        keys = sorted(k for k in lo["fields"] if lo["fields"][k] != hi["fields"].get(k))
-        detail = "; ".join(f"{k}: {lo['fields'][k]!r} on rank {lo['global_rank']}, {hi['fields'].get(k)!r} on "
-                           f"rank {hi['global_rank']}" for k in keys)
+        keys = sorted(k for k in {**lo["fields"], **hi["fields"]} if lo["fields"].get(k) != hi["fields"].get(k))
+        detail = "; ".join(f"{k}: {lo['fields'].get(k)!r} on rank {lo['global_rank']}, {hi['fields'].get(k)!r} on "
+                           f"rank {hi['global_rank']}" for k in keys)  # an option at its default is not a field
         out.append(f"{who}: preflight: contract mismatch on the {axis.upper()} axis: {detail}")
+    if None not in (lo["choices"], hi["choices"]):
+        for name in sorted({**lo["choices"], **hi["choices"]}):
+            if lo["choices"].get(name) != hi["choices"].get(name):
+                differ(name, lo["choices"].get(name), hi["choices"].get(name))
     for name in lo["groups"]:
         if lo["groups"][name] != hi["groups"][name]:
             differ(f"{name} (None or the size of the group passed)", lo["groups"][name], hi["groups"][name])
@@ -155,10 +164,11 @@ def _compare(mine: dict, theirs: dict, axis: str) -> list[str]:
         x, y = _masked(lo["tensors"][name], name, axis), _masked(hi["tensors"][name], name, axis)
         if x != y:
             differ(f"{name} ([dtype, device, shape] or type; '*': the dim the {axis.upper()} axis shards)", x, y)
-    if axis == "tp" and lo["replicated"] != hi["replicated"]:
-        out.append(f"{who}: preflight: they hold different completion_mask / action_ids / old_logps / rewards / "
-                   f"advantages / ref_logps / importance_sampling_ratio (at active tokens); every rank of a TP group "
-                   f"must pass the same ones")
+    if axis == "tp" and None not in (lo["replicated"], hi["replicated"]):  # None: a rank's checks failed
+        names = [k for k in lo["replicated"] if lo["replicated"][k] != hi["replicated"].get(k)]
+        if names:
+            out.append(f"{who}: preflight: they hold different {' / '.join(names)} (at active tokens); every rank of "
+                       f"a TP group must pass the same ones")
     return out
 
 
@@ -204,12 +214,14 @@ def _local(fn: Callable[[], Any], global_rank: int, errors: list[str]) -> Any:
 
 
 def preflight(contract: Any, backend: str, tensors: dict[str, Any], local_checks: Callable[[], Any],
-              replicated: Callable[[], str], tp_group: Any, dp_group: Any) -> Any:
+              replicated: Callable[[], dict[str, str | None]], tp_group: Any, dp_group: Any,
+              choices: Callable[[], dict[str, Any]] = dict) -> Any:
     """Runs `local_checks()` on this rank, then agrees with the DP and TP axes; raises on every rank on any error.
 
     `tensors`: every tensor argument by name (dim 0 holds the sequences; the last dim of `*_logits` the local
-    vocabulary). `replicated()`: the digest of what TP siblings must share. Returns what `local_checks()`
-    returned."""
+    vocabulary). `replicated()`: the digests of what TP siblings must share (`replicated_digest`). `choices()`:
+    the structural choices this rank made once its checks passed (the kernel set, the gradients wanted), which
+    every rank of the grid must share. Returns what `local_checks()` returned."""
     global_rank = dist.get_rank() if dist.is_initialized() else 0
     groups = {"dp": dp_group, "tp": tp_group}
     errors: list[str] = []
@@ -220,11 +232,12 @@ def preflight(contract: Any, backend: str, tensors: dict[str, Any], local_checks
         for axis in ("dp", "tp"):
             found = _local(lambda: _axis_errors(contract, axis, groups[axis]), global_rank, errors) or []
             errors += [f"{_tag(global_rank)}{e}" for e in found]
-    result, digest, before = None, "", len(errors)
+    result, digest, chosen, before = None, None, None, len(errors)
     if valid:
         result = _local(local_checks, global_rank, errors)
         if len(errors) == before:  # the digest reads the tensors the checks have just accepted
             digest = _local(replicated, global_rank, errors)
+            chosen = _local(choices, global_rank, errors)
 
     s = contract.sharding if valid else None
     axis_ranks = {a: getattr(s, f"{a}_rank") for a in ("dp", "tp")} if valid else {}
@@ -248,7 +261,8 @@ def preflight(contract: Any, backend: str, tensors: dict[str, Any], local_checks
             "fields": contract.numeric_fields() if valid else None,
             "groups": {f"{a}_group": None if groups[a] is None else sizes[a] or type(groups[a]).__name__
                        for a in ("tp", "dp")},
-            "tensors": {name: _describe_arg(t) for name, t in tensors.items()}, "replicated": digest}
+            "tensors": {name: _describe_arg(t) for name, t in tensors.items()}, "replicated": digest,
+            "choices": chosen}
     skipped = set()
     for axis in STAGES:
         group = groups[axis]
@@ -280,12 +294,13 @@ def _settle(seat: tuple, axis: str, group: Any, global_rank: int, errors: list[s
 
 
 def check_logprobs_everywhere(logp: torch.Tensor, logp_ref: torch.Tensor | None, mask: torch.Tensor,
-                              gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                              gather: Callable[[torch.Tensor], torch.Tensor],
+                              names: tuple[str, str] = ("policy_logits", "ref_logits")) -> None:
     """`checks.check_logprobs` over the global batch, on every rank: call it on every rank together once the
     gathered flags say a log-prob is non-finite. `gather` concatenates every DP rank's `[n_local, ...]` rows
     (exact copies), so every rank raises the very message a single process gives, with global `(b, t)`."""
     ref = logp_ref if logp_ref is not None else torch.zeros_like(logp)
     full = gather(torch.stack([logp, ref, mask.to(logp.dtype)], -1))
-    check_logprobs(full[..., 0], full[..., 1] if logp_ref is not None else None, full[..., 2] != 0)
-    raise LossContractError("policy_logits / ref_logits: expected finite log-probabilities at active tokens, got "
-                            "non-finite ones flagged by a rank")  # unreachable when the flags and values agree
+    check_logprobs(full[..., 0], full[..., 1] if logp_ref is not None else None, full[..., 2] != 0, names)
+    raise LossContractError(f"{' / '.join(names)}: expected finite log-probabilities at active tokens, got "
+                            f"non-finite ones flagged by a rank")  # unreachable when the flags and values agree

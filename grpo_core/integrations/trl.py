@@ -172,7 +172,10 @@ class GRPOLinearLoss(torch.nn.Module):
             count = mask.sum().to(torch.float32)
             dist.all_reduce(count)
             num_items_in_batch = count
-        constant = max(float(num_items_in_batch) / world, 1.0)
+        count = float(num_items_in_batch)
+        if not 0.0 <= count < float("inf"):  # NaN fails too
+            raise ValueError(f"num_items_in_batch: expected a finite token count >= 0, got {count!r}")
+        constant = (count if count > 0.0 else 1.0) / world  # TRL's clamp of a zero count (no active token: loss 0)
         term = {} if self.loss_type == "dapo" else {"loss_type": self.loss_type}
         return {**term, "normalizer": "fixed_constant", "normalizer_constant": constant}
 
