@@ -115,7 +115,8 @@ def _free_port() -> int:
 
 
 def _torchrun(model_path: str, out: Path, processes: int, per_device: int) -> Path:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # the caller's packages too
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
                            "--master-port", str(_free_port()), str(ROOT / "tests" / "trl_world.py"), model_path,
                            str(out / "trainer"), str(out / "record"), str(per_device)], cwd=ROOT, env=env,
