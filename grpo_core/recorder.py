@@ -49,7 +49,6 @@ SEQUENCE_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_
                    "per_sequence_entropy")
 DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest", "grad_mantissa_digest")
 SCALAR_FIELDS = ("loss", "policy_loss", "kl")
-COLUMNS = ("step", "sequence", "field", "value", "bits", "digest", "generation", "micro_batch", "rank", "order")
 
 
 def _hex(digests: torch.Tensor) -> list[str]:
@@ -115,7 +114,7 @@ class TrainingRecorder:
         its gradient digested in a hook when a backward runs; `completion_ids` / `completion_mask` `[B, T]`: the
         completion (the mask: the loss's active tokens); `prompt_ids` / `prompt_mask`: the prompt (part of the key).
         `sequences`: `(lo, hi)`, where this rank's B sequences sit in the result's vectors (default: the result covers
-        exactly these B sequences, as a call in one process does). Nothing is synchronized with the device here."""
+        exactly these B sequences, as a call in one process does)."""
         for name, value in (("step", step), ("micro_batch", micro_batch), ("generation", generation)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
@@ -124,20 +123,24 @@ class TrainingRecorder:
         if step != self._step:
             self.flush()
             self._step = step
+        mask = completion_mask.bool()
+        for name, t in (("completion_ids", completion_ids), ("input", input)):
+            if t.dim() < 2 or t.shape[:2] != mask.shape:
+                raise ValueError(f"{name}: expected [B, T{', ...' if name == 'input' else ''}] with [B, T] = "
+                                 f"{list(mask.shape)} like completion_mask, got {list(t.shape)}")
         B = completion_ids.shape[0]
         lo, hi = (0, B) if sequences is None else sequences
         if hi - lo != B or result.per_sequence_policy.shape[0] < hi:
             raise ValueError(f"sequences: expected (lo, hi) with hi - lo = {B} sequences of completion_ids within the "
                              f"result's {result.per_sequence_policy.shape[0]}, got {sequences!r}")
-        mask = completion_mask.bool()
         call: dict[str, Any] = {
-            "micro_batch": micro_batch, "generation": generation, "step": step,
+            "micro_batch": micro_batch, "generation": generation,
             "keys": (completion_ids.detach(), mask, None if prompt_ids is None else prompt_ids.detach(),
                      None if prompt_mask is None else prompt_mask.detach()),
             "scalars": torch.stack([result.loss.detach(), result.policy_loss, result.kl]).float(),
             "vectors": {f: getattr(result, f)[lo:hi].detach() for f in SEQUENCE_FIELDS
                         if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
-            "input_digest": row_digests(input, mask), "grad_digest": None}
+            "input_digest": row_digests(input, mask)}
         given = [t.detach().float().unsqueeze(-1).expand(B, mask.shape[1], 1) for t in
                  (old_logps, ref_logps, importance_sampling_ratio) if t is not None]
         if given:

@@ -253,26 +253,35 @@ def check_rows(df: pd.DataFrame, where: str) -> None:
         r = df[mask].iloc[0]
         return f"{int(mask.sum())} rows, first {r['scenario']} {r['topology']} {r['field']}[{r['index']}]"
 
-    for col in ("scenario", "topology", "field", "index", "fingerprint"):
-        if df[col].isna().any():
-            raise TableError("schema", f"{where}: column {col} has empty values ({first(df[col].isna())})")
-    unknown = ~df["field"].isin(FIELDS)
-    if unknown.any():
-        raise TableError("fields", f"{where}: expected fields from {list(FIELDS)}, got "
-                                   f"{sorted(df.loc[unknown, 'field'].unique())}")
-    dup = df.duplicated(KEY, keep="first")
-    if dup.any():
-        raise TableError("unique keys",
-                         f"{where}: a (scenario, topology, field, index) key appears twice ({first(dup)})")
+    check_table(df, where, first, required=KEY + ["fingerprint"], fields=FIELDS, unique=KEY,
+                digests=("grad_digest",), digest_hex=24)
     fps = df.groupby(["scenario", "topology"])["fingerprint"].transform("nunique")
     if (fps > 1).any():
         raise TableError("fingerprint", f"{where}: one cell carries several contract fingerprints ({first(fps > 1)})")
-    grad = df["field"] == "grad_digest"
-    bad = grad & ~(df["digest"].fillna("").str.fullmatch(r"[0-9a-f]{24}") & df["bits"].isna() & df["value"].isna())
+
+
+def check_table(df: pd.DataFrame, where: str, first, *, required: list[str], fields: tuple[str, ...],
+                unique: list[str], digests: tuple[str, ...], digest_hex: int) -> None:
+    """The checks every recorded table takes (a gate run's, a training run's): no empty `required` column, known
+    `fields`, one row per `unique` key, the `digests` fields holding `digest_hex` hex digits and no value or bits,
+    every other row's `value` the number its `bits` encode. `first(mask)` names the first row of a failure."""
+    for col in required:
+        if df[col].isna().any():
+            raise TableError("schema", f"{where}: column {col} has empty values ({first(df[col].isna())})")
+    unknown = ~df["field"].isin(fields)
+    if unknown.any():
+        raise TableError("fields", f"{where}: expected fields from {list(fields)}, got "
+                                   f"{sorted(df.loc[unknown, 'field'].unique())}")
+    dup = df.duplicated(unique, keep="first")
+    if dup.any():
+        raise TableError("unique keys", f"{where}: a ({', '.join(unique)}) key appears twice ({first(dup)})")
+    digest = df["field"].isin(digests)
+    bad = digest & ~(df["digest"].fillna("").str.fullmatch(f"[0-9a-f]{{{digest_hex}}}") & df["bits"].isna()
+                     & df["value"].isna())
     if bad.any():
-        raise TableError("digest", f"{where}: a gradient row needs a 24-hex-digit digest and no value or bits "
+        raise TableError("digest", f"{where}: a digest row needs a {digest_hex}-hex-digit digest and no value or bits "
                                    f"({first(bad)})")
-    num = df[~grad]
+    num = df[~digest]
     ok = bits_encode_values(num)
     if not ok.all():
         raise TableError("value vs bits", f"{where}: `value` is not the number that `bits` encodes "

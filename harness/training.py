@@ -32,7 +32,7 @@ from grpo_core.recorder import DIGEST_FIELDS, SCALAR_FIELDS, SEQUENCE_FIELDS, sc
 
 from .cli import UsageError
 from .diff import plural, ulp_distance
-from .record import TableError, bits_encode_values
+from .record import TableError, check_table
 
 KEY = ["step", "sequence", "occurrence", "field"]
 INPUTS = ("input_digest", "logps_digest", "advantages")  # what the loss is given
@@ -86,26 +86,8 @@ def check_training_rows(df: pd.DataFrame, where: str) -> None:
         r = df[mask].iloc[0]
         return f"{int(mask.sum())} rows, first step {r['step']} {r['sequence']} {r['field']}"
 
-    for col in ("step", "sequence", "field", "rank", "order"):
-        if df[col].isna().any():
-            raise TableError("schema", f"{where}: column {col} has empty values ({first(df[col].isna())})")
-    unknown = ~df["field"].isin(FIELDS)
-    if unknown.any():
-        raise TableError("fields", f"{where}: expected fields from {list(FIELDS)}, got "
-                                   f"{sorted(df.loc[unknown, 'field'].unique())}")
-    dup = df.duplicated(["rank", "step", "order"])
-    if dup.any():
-        raise TableError("unique keys", f"{where}: a (rank, step, order) row appears twice ({first(dup)})")
-    digest = df["field"].isin(DIGEST_FIELDS)
-    bad = digest & ~(df["digest"].fillna("").str.fullmatch(f"[0-9a-f]{{{8 * LANES}}}") & df["bits"].isna()
-                     & df["value"].isna())
-    if bad.any():
-        raise TableError("digest", f"{where}: a digest row needs {8 * LANES} hex digits and no value or bits "
-                                   f"({first(bad)})")
-    ok = bits_encode_values(df[~digest])
-    if not ok.all():
-        raise TableError("value vs bits", f"{where}: `value` is not the number that `bits` encodes "
-                                          f"({first(df.index.isin(df[~digest].index[~ok]))})")
+    check_table(df, where, first, required=["step", "sequence", "field", "rank", "order"], fields=FIELDS,
+                unique=["rank", "step", "order"], digests=DIGEST_FIELDS, digest_hex=8 * LANES)
 
 
 def read_training_run(folder: Path) -> tuple[pd.DataFrame, dict[str, Any]]:

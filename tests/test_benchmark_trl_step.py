@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_tiny_run(tmp_path):
     out = tmp_path / "trl_step.parquet"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # the caller's packages too
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_trl_step.py"), "--tiny",
                            "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

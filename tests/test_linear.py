@@ -393,12 +393,12 @@ def test_empty_hidden_states_name_hidden(shape):
 def test_the_fused_loss_names_the_hidden_states_and_weights(kernels):
     """A NaN weight row names hidden / weight (not the logits the caller never passed); reference hidden states
     whose log-probs lie too far above the policy's name ref_hidden, not the rewards."""
-    inp = make(device="cpu")
+    inp = make()
     inp["weight"][inp["action_ids"][0, 0]] = float("nan")
     with pytest.raises(LossContractError, match=r"^hidden / weight / bias: expected finite log-probabilities at active "
                                                 r"tokens, got NaN at \(b, t\) \[\(0, 0\)"):
         run(inp, kernels)
-    inp = make(device="cpu", bias=False)
+    inp = make(bias=False)
     inp["hidden"], inp["ref_hidden"] = inp["hidden"] * 1e4, inp["ref_hidden"] * 1e4
     with pytest.raises(LossContractError, match=r"^ref_hidden: expected reference log-probs within float32 reach of "
                                                 r"the policy's, got a KL term that overflows float32"):
@@ -408,7 +408,7 @@ def test_the_fused_loss_names_the_hidden_states_and_weights(kernels):
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_linear_logprobs_raise_the_losss_words(kernels):
     """Non-finite log-probs at active tokens raise as in the loss; masked tokens may hold anything."""
-    inp = make(device="cpu")
+    inp = make()
     hidden, ids, mask = inp["hidden"].clone(), inp["action_ids"], inp["completion_mask"]
     hidden[1, 0, 3] = float("nan")
     with pytest.raises(LossContractError, match=r"^hidden / weight: expected finite log-probabilities at active "
@@ -417,7 +417,7 @@ def test_linear_logprobs_raise_the_losss_words(kernels):
     masked = mask.clone()
     masked[1, 0] = False
     assert torch.isfinite(linear_logprobs(hidden, inp["weight"], ids, masked, kernels=kernels)).all()
-    bias = torch.zeros(inp["weight"].shape[0])
+    bias = torch.zeros(inp["weight"].shape[0], device=inp["weight"].device)
     bias[ids[0, 0]] = -float("inf")
     with pytest.raises(LossContractError, match=r"^hidden / weight / bias: expected finite log-probabilities at active "
                                                 r"tokens, got -inf at \(b, t\) \[\(0, 0\)"):

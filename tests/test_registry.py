@@ -34,7 +34,7 @@ def _args(inp):
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_get_op_finds_the_fused_linear_loss_by_kernel_set(kernels):
-    inp = make(device="cpu")
+    inp = make()  # CUDA tensors on a GPU machine (the Triton kernels' device), else the interpreter on the CPU
     args, kw = _args(inp)
     want = linear_grpo_loss(*args, kernels=kernels, **kw)
     got = kernel_registry.get_op("linear_grpo_loss", backend=kernels)(*args, **kw)

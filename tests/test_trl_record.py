@@ -15,6 +15,7 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl")
+from test_readme import README, section  # noqa: E402
 from test_recorder import planted  # noqa: E402
 from test_trl import make_trainer, tiny_model  # noqa: E402, F401  (tiny_model: the module's fixture)
 
@@ -115,7 +116,8 @@ def _free_port() -> int:
 
 
 def _torchrun(model_path: str, out: Path, processes: int, per_device: int) -> Path:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # the caller's packages too
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
                            "--master-port", str(_free_port()), str(ROOT / "tests" / "trl_world.py"), model_path,
                            str(out / "trainer"), str(out / "record"), str(per_device)], cwd=ROOT, env=env,
@@ -140,6 +142,10 @@ def test_one_process_against_two(tiny_model, tmp_path):
     assert steps.loc[1, "scale"] == 16 and steps.loc[1, ["upstream", "loss", "gradient"]].eq(0).all()
     assert set(c["verdicts"]["cause"]) <= {"upstream", "scale"}
     assert c["first"] == 1
+    # the README shows this comparison: its per-step counts are this run's (the ULP distances are the machine's)
+    counts = ["step", "sequences", "moved", "upstream", "loss", "scale", "gradient"]
+    shown = section(README, "## Verify your training run").split("```\n step")[1].split("\n")[1:5]
+    assert [[int(v) for v in line.split()[:7]] for line in shown] == c["steps"][counts].values.tolist()
 
 
 def test_a_change_planted_in_the_loss_at_one_step_is_named(tiny_model, tmp_path):
