@@ -14,7 +14,10 @@ Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with 
 (`add_fused_lm_head`) and applies the loss to the `[B, T]` log-probabilities. The subclass overrides `_compute_loss`
 alone: it runs the backbone for the hidden states of the completion positions and hands them, with the LM head's
 weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation trainer
-does. Generation, rewards, advantages and the old and reference log-probabilities stay TRL's. It logs what TRL logs
+does. TRL's old and reference log-probabilities come from the loss's own kernels (`linear_logprobs` on the same
+backbone call), so on policy every ratio is exactly 1.0 and the KL against an identical reference exactly 0.0;
+generation, rewards and advantages stay TRL's. `record_dir=` records every micro-batch's per-sequence numbers and
+digests (`grpo_core.recorder`; `python -m harness diff` compares two runs). It logs what TRL logs
 of the loss: `kl` (beta != 0), `entropy` (the loss's token entropies, `contract.entropy`), the clip ratio of the loss
 type (`clip_ratio/region_mean`; cispo's `cispo_clip_ratio`; none for sapo and vespo, which clip nothing), vespo's
 `vespo/phi_seq_mean`, and with an entropy bonus `policy_loss` and `entropy_coef`; not the low / high clip ratios,
