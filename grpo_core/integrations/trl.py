@@ -13,8 +13,8 @@ over the sequences, as TRL logs it). It needs torch only.
 Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with its own chunked LM head
 (`add_fused_lm_head`) and applies the loss to the `[B, T]` log-probabilities. The subclass overrides `_compute_loss`
 and TRL's log-prob pass: it runs the backbone for the hidden states of the completion positions and hands them, with
-the LM head's weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation trainer
-does. TRL's old and reference log-probabilities come from the loss's own kernels (`linear_logprobs` on the same
+the LM head's weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's
+distillation trainer does. TRL's old and reference log-probabilities come from the loss's own kernels (`linear_logprobs` on the same
 backbone call), so on policy every ratio is exactly 1.0 and the KL against an identical reference exactly 0.0;
 generation, rewards and advantages stay TRL's. `record_dir=` records every micro-batch's per-sequence numbers and
 digests (`grpo_core.recorder`; `python -m harness diff` compares two runs). It logs what TRL logs
