@@ -11,20 +11,20 @@ over the sequences, as TRL logs it). It needs torch only.
 
 `GRPOCoreTrainer` (needs the `trl` extra: trl 1.16) is TRL's `GRPOTrainer` training on our loss. TRL 1.16 builds no
 Liger GRPO loss any more: its `_compute_loss` scores the completion tokens with its own chunked LM head
-(`add_fused_lm_head`) and applies the loss to the `[B, T]` log-probabilities. The subclass overrides `_compute_loss`
-and TRL's log-prob pass: it runs the backbone for the hidden states of the completion positions and hands them, with
-the LM head's weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's
-distillation trainer does. TRL's old and reference log-probabilities come from the loss's own kernels (`linear_logprobs` on the same
+(`add_fused_lm_head`) and applies the loss to the `[B, T]` log-probabilities. The subclass overrides `_compute_loss` and
+TRL's log-prob pass: it runs the backbone for the hidden states of the completion positions and hands them, with the LM
+head's weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation
+trainer does. TRL's old and reference log-probabilities come from the loss's own kernels (`linear_logprobs` on the same
 backbone call), so on policy every ratio is exactly 1.0 and the KL against an identical reference exactly 0.0;
 generation, rewards and advantages stay TRL's. `record_dir=` records every micro-batch's per-sequence numbers and
-digests (`grpo_core.recorder`; `python -m harness diff` compares two runs). It logs what TRL logs
-of the loss: `kl` (beta != 0), `entropy` (the loss's token entropies, `contract.entropy`), the clip ratio of the loss
-type (`clip_ratio/region_mean`; cispo's `cispo_clip_ratio`; none for sapo and vespo, which clip nothing), vespo's
-`vespo/phi_seq_mean`, and with an entropy bonus `policy_loss` and `entropy_coef`; not the low / high clip ratios,
-which the loss does not compute. TRL's entropy options run as in TRL: `entropy_coef` (the bonus, a mean over the kept
-tokens divided by the accumulation alone), `top_entropy_quantile` (the policy terms of the tokens below the quantile
-dropped: one process only, TRL's quantile spans the processes) and `use_adaptive_entropy` (TRL's controller and its
-state, checkpointed by TRL).
+digests (`grpo_core.recorder`; `python -m harness diff` compares two runs). It logs what TRL logs of the loss: `kl`
+(beta != 0), `entropy` (the loss's token entropies, `contract.entropy`), the clip ratio of the loss type
+(`clip_ratio/region_mean`; cispo's `cispo_clip_ratio`; none for sapo and vespo, which clip nothing), vespo's
+`vespo/phi_seq_mean`, and with an entropy bonus `policy_loss` and `entropy_coef`; not the low / high clip ratios, which
+the loss does not compute. TRL's entropy options run as in TRL: `entropy_coef` (the bonus, a mean over the kept tokens
+divided by the accumulation alone), `top_entropy_quantile` (the policy terms of the tokens below the quantile dropped:
+one process only, TRL's quantile spans the processes) and `use_adaptive_entropy` (TRL's controller and its state,
+checkpointed by TRL).
 
 Loss types (TRL's semantics; each is the op's `loss_type`): grpo, bnpo, dr_grpo and dapo (the clipped surrogate
 under their token normalizers); cispo (`-sg(min(ratio, epsilon_high)) * A * logp`, the ratio clamped at
