@@ -51,6 +51,9 @@ def main(model_dir: str, out_dir: str, record_dir: str, per_device: int) -> None
     trainer = make_trainer(model_dir, out_dir, lambda **kw: CannedTrainer(record_dir=record_dir, **kw),
                            loss_type="grpo", beta=0.04, per_device_train_batch_size=per_device)
     trainer.train()
+    if torch.distributed.is_initialized():  # a clean end: gloo's threads stopped before the interpreter exits
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
