@@ -212,3 +212,65 @@ def test_a_rank_records_its_own_sequences_of_a_whole_batch_result(tmp_path):
     got = df[df["field"] == "per_sequence_kl"].set_index("sequence").loc[
         sequence_keys(b["ids"][4:], b["mask"][4:], b["prompt"][4:]), "bits"].tolist()
     assert got == res.per_sequence_kl[4:].view(torch.int32).tolist()
+
+
+def _one_call(seed: int = 0) -> tuple[dict, object, dict]:
+    b = _batch(seed)
+    res = linear_grpo_loss(b["hidden"], b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                           advantages=b["rewards"], beta=0.0, kernels="torch")
+    return b, res, dict(input=b["hidden"], completion_ids=b["ids"], completion_mask=b["mask"])
+
+
+def test_recorder_refuses_misshapen_side_tensors(tmp_path):
+    """A tensor beside the batch that does not fit it is refused by name, never truncated or broadcast."""
+    b, res, args = _one_call()
+    rec = TrainingRecorder(tmp_path / "r")
+    bad = [(dict(prompt_ids=b["prompt"][:3]), r"prompt_ids: expected \[B, P\] with B = 8 like completion_mask, "
+                                              r"got \[3, 3\]"),
+           (dict(prompt_ids=b["prompt"], prompt_mask=torch.ones(8, 2)), r"prompt_mask: expected the shape of "
+                                                                        r"prompt_ids, \[8, 3\], got \[8, 2\]"),
+           (dict(old_logps=b["old"][:, :3]), r"old_logps: expected \[B, T\] = \[8, 6\] like completion_mask, got "
+                                             r"\[8, 3\]"),
+           (dict(ref_logps=b["old"][..., None]), r"ref_logps: expected \[B, T\] = \[8, 6\]"),
+           (dict(importance_sampling_ratio=torch.ones(8)), r"importance_sampling_ratio: expected \[B, T\] = \[8, 6\] "
+                                                           r"or \[B, 1\] like completion_mask, got \[8\]"),
+           (dict(sequences=(-1, 7)), r"sequences: .* and 0 <= lo <= hi <= 8 \(the result's sequences\), got"),
+           (dict(sequences=(0.0, 8.0)), r"sequences: expected \(lo, hi\)"),
+           (dict(completion_ids=b["ids"].float()), r"completion_ids: expected integer token ids, got torch.float32"),
+           (dict(completion_mask=b["mask"][0]), r"completion_mask: expected \[B, T\], got \[6\]")]
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
+            rec.record(res, step=1, **{**args, **kw})
+    # B == T: a [B] vector would broadcast along T without a word
+    sq = _batch(1, B=6, T=6)
+    sq_res = linear_grpo_loss(sq["hidden"], sq["weight"], sq["ids"], sq["old"], None, completion_mask=sq["mask"],
+                              advantages=sq["rewards"], beta=0.0, kernels="torch")
+    with pytest.raises(ValueError, match=r"old_logps: expected \[B, T\] = \[6, 6\] like completion_mask, got \[6\]"):
+        rec.record(sq_res, step=1, input=sq["hidden"], completion_ids=sq["ids"], completion_mask=sq["mask"],
+                   old_logps=sq["old"][:, 0])
+    # a result that covers more sequences than were given, without `sequences`: whose values are these?
+    with pytest.raises(ValueError, match=r"sequences: expected \(lo, hi\) with hi - lo = 4"):
+        rec.record(res, step=1, input=b["hidden"][4:], completion_ids=b["ids"][4:], completion_mask=b["mask"][4:])
+    rec.record(res, step=1, importance_sampling_ratio=torch.ones(8, 1), **args)  # sequence-level: [B, 1]
+    assert rec.flush() is not None
+    with pytest.raises(ValueError, match=r"metadata: expected values that JSON can write"):
+        TrainingRecorder(tmp_path / "m", metadata={"dtype": torch.bfloat16})
+
+
+def test_a_written_step_is_never_replaced(tmp_path):
+    b, res, args = _one_call()
+    rec = TrainingRecorder(tmp_path / "r")
+    rec.record(res, step=1, **args)
+    written = rec.flush()
+    before = written.read_bytes()
+    with pytest.raises(ValueError, match="step: expected more than 1, the last written step, got 1"):
+        rec.record(res, step=1, micro_batch=1, **args)
+    # two recorders of one rank in one folder: the second one's step is refused, the first one's kept
+    first, second = TrainingRecorder(tmp_path / "two"), TrainingRecorder(tmp_path / "two")
+    first.record(res, step=1, **args)
+    second.record(res, step=1, micro_batch=1, **args)
+    first.close()
+    with pytest.raises(ValueError, match="record_dir: expected no other recorder of rank 0"):
+        second.close()
+    assert (tmp_path / "two" / "rank-00000" / "step-0000001.parquet").read_bytes() == before
+
