@@ -5,12 +5,15 @@ keys, the run table, its checks, and the diff's attribution on runs made here wi
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -19,7 +22,7 @@ from grpo_core.linear import LinearGRPOLossOp, linear_grpo_loss
 from grpo_core.recorder import TrainingRecorder, sequence_keys
 from harness.record import TableError
 from harness.scenarios import RegroupedLinearOp
-from harness.training import read_training_run, training_comparison
+from harness.training import format_moved, read_training_run, training_comparison, verdict_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -274,3 +277,83 @@ def test_a_written_step_is_never_replaced(tmp_path):
         second.close()
     assert (tmp_path / "two" / "rank-00000" / "step-0000001.parquet").read_bytes() == before
 
+
+def test_a_field_recorded_in_one_run_only_is_a_difference(tmp_path):
+    """Run B ran no backward (no gradient digests) and gave no old log-probs: not identical, and which fields."""
+    for name, full in (("a", True), ("b", False)):
+        b = _batch(1)
+        h = b["hidden"].clone().requires_grad_(True)
+        res = linear_grpo_loss(h, b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                               advantages=b["rewards"], beta=0.0, kernels="torch")
+        rec = TrainingRecorder(tmp_path / name)
+        rec.record(res, step=1, input=h, completion_ids=b["ids"], completion_mask=b["mask"], prompt_ids=b["prompt"],
+                   old_logps=b["old"] if full else None)
+        if full:
+            res.loss.backward()
+        rec.close()
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert c["first"] == 1
+    assert c["steps"].loc[0, ["sequences", "moved", "upstream", "only_in_A", "only_in_B"]].tolist() == [8, 8, 8, 0, 0]
+    assert set(c["verdicts"]["fields"]) == {"grad_digest,grad_mantissa_digest,logps_digest"}
+    assert "logps_digest (missing in B)" in format_moved(c["verdicts"], c["diffs"])
+
+
+def test_runs_of_different_lengths(tmp_path):
+    """A has steps 1-3, B steps 1-5: steps 4 and 5 are in one run only, nothing moved, no scalar moved."""
+    record_run(tmp_path / "a", steps=3)
+    record_run(tmp_path / "b", steps=5)
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    steps = c["steps"].set_index("step")
+    assert c["first"] == 4 and c["verdicts"].empty
+    assert steps["only_in_B"].tolist() == [0, 0, 0, 8, 8] and not steps["scalar_moved"].any()
+    text = verdict_text(c)
+    assert "first step where anything moved: 4" in text and "a per-call scalar moved" not in text
+    assert "a per-call scalar in one run only" in text
+
+
+def test_listing_every_moved_sequence_of_a_long_run_is_quick():
+    """`reports drift` lists every moved sequence: 1,000 steps x 64 sequences that all moved upstream (a run after
+    its weights moved) must not take minutes."""
+    n = 64_000
+    steps, seqs = np.repeat(np.arange(1, 1001), 64), np.tile([f"{i:016x}" for i in range(64)], 1000)
+    fields = ["input_digest", "per_sequence_policy"]
+    diffs = pd.DataFrame({"step": np.repeat(steps, 2), "sequence": np.repeat(seqs, 2), "occurrence": 0,
+                          "field": np.tile(fields, n), "ulp": np.tile([np.nan, 3.0], n), "missing": "",
+                          "in_one_run": False})
+    verdicts = pd.DataFrame({"step": steps, "sequence": seqs, "occurrence": 0, "fields": ",".join(fields),
+                             "cause": "upstream", "max_ulp": 3.0})
+    start = time.monotonic()
+    lines = format_moved(verdicts, diffs, limit=10**9).splitlines()
+    assert time.monotonic() - start < 10
+    assert len(lines) == n and lines[-1] == (f"  step 1000 sequence {63:016x}#0: upstream (input_digest, "
+                                             f"per_sequence_policy 3 ULP)")
+
+
+def test_damaged_metadata_and_a_report_folder_that_is_a_file(tmp_path, capsys):
+    record_run(tmp_path / "a", steps=1)
+    path = tmp_path / "a" / "rank-00000" / "step-0000001.parquet"
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[b"grpo_core"])
+    for bad in ([0], {**meta, "metadata": [1, 2]}):
+        pq.write_table(table.replace_schema_metadata({b"grpo_core": json.dumps(bad).encode()}), path)
+        with pytest.raises(TableError, match="metadata: .* expected a JSON object"):
+            read_training_run(tmp_path / "a")
+    pq.write_table(table, path)
+    from reports.__main__ import main
+    (tmp_path / "file").write_text("")
+    assert main(["drift", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out: expected a folder for the report, got" in err
+
+
+def test_per_step_figure_of_one_step_and_of_nothing_moved():
+    from reports.drift import per_step_figure
+    steps = pd.DataFrame({"step": [7], "sequences": [8], "moved": [0], "upstream": [0], "loss": [0], "scale": [0],
+                          "gradient": [0], "max_ulp": [0], "only_in_A": [0], "only_in_B": [0], "scalar_moved": [False]})
+    fig = per_step_figure(steps)
+    fig.canvas.draw()
+    ticks = fig.axes[1].get_xticks()
+    ticks = ticks[(ticks >= fig.axes[1].get_xlim()[0]) & (ticks <= fig.axes[1].get_xlim()[1])]
+    assert list(ticks) == [7.0]  # an optimizer step is an integer
+    assert fig.axes[0].get_ylim()[0] == 0 and fig.axes[1].get_ylim()[0] == 0  # no negative count on the axes
+    assert all(float(t).is_integer() for ax in fig.axes for t in ax.get_yticks())
