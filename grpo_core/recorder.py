@@ -17,8 +17,8 @@ Per sequence: the result's `per_sequence_policy`, `per_sequence_kl`, `advantages
 `per_sequence_active_tokens` and `per_sequence_entropy` (when computed), and three digests:
 - `input_digest`: the active rows of the loss's differentiable input (the hidden states of the fused linear loss, the
   logits of the logits ops), their bits;
-- `logps_digest`: the given old and reference log-probs and importance-sampling ratio at the active tokens (absent
-  when none is given);
+- `logps_digest`: the given old and reference log-probs, importance-sampling ratio and token-level advantages at
+  the active tokens (absent when none is given);
 - `grad_digest`: the active rows of that input's gradient, taken in a hook during the backward (absent when no
   backward ran).
 Per call, the scalars `loss`, `policy_loss` and `kl` under the sequence `rank<R>/micro-batch<M>`.
@@ -166,8 +166,9 @@ class TrainingRecorder:
             "vectors": {f: getattr(result, f)[lo:hi].detach() for f in SEQUENCE_FIELDS
                         if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
             "input_digest": row_digests(input, mask)}
-        given = [t.detach().float().unsqueeze(-1).expand(B, mask.shape[1], 1) for t in
-                 (old_logps, ref_logps, importance_sampling_ratio) if t is not None]
+        token_advantages = result.advantages[lo:hi] if result.advantages.dim() == 2 else None
+        given = [t.detach().float().unsqueeze(-1).expand(B, T, 1) for t in
+                 (old_logps, ref_logps, importance_sampling_ratio, token_advantages) if t is not None]
         if given:
             call["logps_digest"] = row_digests(torch.cat(given, -1), mask)
         if self._provenance is None:

@@ -357,3 +357,22 @@ def test_per_step_figure_of_one_step_and_of_nothing_moved():
     assert list(ticks) == [7.0]  # an optimizer step is an integer
     assert fig.axes[0].get_ylim()[0] == 0 and fig.axes[1].get_ylim()[0] == 0  # no negative count on the axes
     assert all(float(t).is_integer() for ax in fig.axes for t in ax.get_yticks())
+
+
+def test_token_level_advantages_that_moved_are_upstream(tmp_path):
+    """Advantages given per token ([B, T]) are what the loss was given: when they move, the cause is upstream, never
+    the loss computation."""
+    for name in ("a", "b"):
+        b = _batch(2)
+        adv = b["rewards"][:, None].expand(8, 6).clone()
+        if name == "b":
+            adv[3, 0] = torch.nextafter(adv[3, 0], torch.tensor(1e9))
+        h = b["hidden"].clone().requires_grad_(True)
+        res = linear_grpo_loss(h, b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"], advantages=adv,
+                               beta=0.0, kernels="torch")
+        rec = TrainingRecorder(tmp_path / name)
+        rec.record(res, step=1, input=h, completion_ids=b["ids"], completion_mask=b["mask"], prompt_ids=b["prompt"])
+        res.loss.backward()
+        rec.close()
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert c["verdicts"]["cause"].tolist() == ["upstream"] and "logps_digest" in c["verdicts"]["fields"].iloc[0]
