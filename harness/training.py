@@ -200,12 +200,13 @@ def metadata_differences(meta_a: dict, meta_b: dict) -> list[str]:
 def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
     """Everything `harness diff` and `reports drift` say of two training runs; `UsageError` when either is not
     one."""
-    for arg, path in (("a", a_path), ("b", b_path)):
+    for arg, path in (("RUN_A", a_path), ("RUN_B", b_path)):
         if not is_training_run(path):
+            why = "does not exist" if not Path(path).exists() else "no rank-*/step-*.parquet in it"
             raise UsageError(f"{arg}: expected a training run (a folder of rank-*/step-*.parquet) like the other run, "
-                             f"got {path}")
-    a, meta_a = load_training_run("a", a_path)
-    b, meta_b = load_training_run("b", b_path)
+                             f"got {path} ({why})")
+    a, meta_a = load_training_run("RUN_A", a_path)
+    b, meta_b = load_training_run("RUN_B", b_path)
     scalars = same_layout(meta_a, meta_b)
     diffs = compare_training(a, b, scalars)
     verdicts = sequence_verdicts(diffs)

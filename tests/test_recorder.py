@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -376,3 +377,13 @@ def test_token_level_advantages_that_moved_are_upstream(tmp_path):
         rec.close()
     c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
     assert c["verdicts"]["cause"].tolist() == ["upstream"] and "logps_digest" in c["verdicts"]["fields"].iloc[0]
+
+
+def test_a_path_that_is_no_training_run_is_named_as_the_command_line_names_it(tmp_path):
+    from harness.cli import UsageError
+    record_run(tmp_path / "a", steps=1)
+    (tmp_path / "empty").mkdir()
+    for b, why in (("nowhere", "does not exist"), ("empty", "no rank-*/step-*.parquet in it")):
+        got = re.escape(f"{tmp_path / b} ({why})")
+        with pytest.raises(UsageError, match=f"^RUN_B: expected a training run .* got {got}$"):
+            training_comparison(str(tmp_path / "a"), str(tmp_path / b))
