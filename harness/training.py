@@ -159,15 +159,16 @@ def compare_training(a: pd.DataFrame, b: pd.DataFrame, scalars: bool) -> pd.Data
 def sequence_verdicts(diffs: pd.DataFrame) -> pd.DataFrame:
     """One row per moved (step, sequence, occurrence) present in both runs: the fields that moved or that one run
     lacks, the largest ULP distance, and `cause` (`CAUSES`)."""
-    moved = diffs[~diffs["in_one_run"] & ~diffs["field"].isin(SCALAR_FIELDS)]
-    rows = []
-    for (step, seq, occ), d in moved.groupby(["step", "sequence", "occurrence"], sort=True):
-        fields = sorted(d["field"])
-        rows.append(dict(step=int(step), sequence=seq, occurrence=int(occ), fields=",".join(fields),
-                         cause="upstream" if set(fields) & set(INPUTS) else "scale" if fields == ["grad_digest"]
-                         else "gradient" if set(fields) <= set(GRADIENT) else "loss",
-                         max_ulp=float(d["ulp"].max()) if d["ulp"].notna().any() else 0.0))
-    return pd.DataFrame(rows, columns=["step", "sequence", "occurrence", "fields", "cause", "max_ulp"])
+    moved = diffs[~diffs["in_one_run"] & ~diffs["field"].isin(SCALAR_FIELDS)].sort_values(KEY)
+    by = [moved[k] for k in ("step", "sequence", "occurrence")]  # whole columns: a long run has many sequences
+    out = pd.DataFrame({"fields": moved.groupby(by, sort=True)["field"].agg(",".join),
+                        "upstream": moved["field"].isin(INPUTS).groupby(by, sort=True).any(),
+                        "gradient": moved["field"].isin(GRADIENT).groupby(by, sort=True).all(),
+                        "max_ulp": moved["ulp"].groupby(by, sort=True).max().fillna(0.0).astype("float64")})
+    out["cause"] = np.select([out["upstream"], out["fields"] == "grad_digest", out["gradient"]],
+                             ["upstream", "scale", "gradient"], "loss")
+    out = out.reset_index().astype({"step": "int64", "occurrence": "int64"})
+    return out[["step", "sequence", "occurrence", "fields", "cause", "max_ulp"]]
 
 
 def step_summary(a: pd.DataFrame, b: pd.DataFrame, diffs: pd.DataFrame, verdicts: pd.DataFrame) -> pd.DataFrame:

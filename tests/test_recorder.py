@@ -23,7 +23,7 @@ from grpo_core.linear import LinearGRPOLossOp, linear_grpo_loss
 from grpo_core.recorder import TrainingRecorder, sequence_keys
 from harness.record import TableError
 from harness.scenarios import RegroupedLinearOp
-from harness.training import format_moved, read_training_run, training_comparison, verdict_text
+from harness.training import format_moved, read_training_run, sequence_verdicts, training_comparison, verdict_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -313,8 +313,8 @@ def test_runs_of_different_lengths(tmp_path):
 
 
 def test_listing_every_moved_sequence_of_a_long_run_is_quick():
-    """`reports drift` lists every moved sequence: 1,000 steps x 64 sequences that all moved upstream (a run after
-    its weights moved) must not take minutes."""
+    """`reports drift` attributes and lists every moved sequence: 1,000 steps x 64 sequences that all moved upstream
+    (a run after its weights moved) must not take minutes."""
     n = 64_000
     steps, seqs = np.repeat(np.arange(1, 1001), 64), np.tile([f"{i:016x}" for i in range(64)], 1000)
     fields = ["input_digest", "per_sequence_policy"]
@@ -324,6 +324,7 @@ def test_listing_every_moved_sequence_of_a_long_run_is_quick():
     verdicts = pd.DataFrame({"step": steps, "sequence": seqs, "occurrence": 0, "fields": ",".join(fields),
                              "cause": "upstream", "max_ulp": 3.0})
     start = time.monotonic()
+    assert sequence_verdicts(diffs).equals(verdicts)
     lines = format_moved(verdicts, diffs, limit=10**9).splitlines()
     assert time.monotonic() - start < 10
     assert len(lines) == n and lines[-1] == (f"  step 1000 sequence {63:016x}#0: upstream (input_digest, "
