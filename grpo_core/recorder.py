@@ -177,7 +177,9 @@ class TrainingRecorder:
             def hook(grad: torch.Tensor) -> None:
                 call["grad_digest"] = row_digests(grad, mask)
                 call["grad_mantissa_digest"] = row_digests(mantissas(grad), mask)
-            input.register_hook(hook)
+                handle.remove()  # this call's backward only: an input used again gets its next call's hook
+
+            handle = input.register_hook(hook)
         self._calls.append(call)
 
     def flush(self) -> Path | None:

@@ -388,3 +388,23 @@ def test_a_path_that_is_no_training_run_is_named_as_the_command_line_names_it(tm
         got = re.escape(f"{tmp_path / b} ({why})")
         with pytest.raises(UsageError, match=f"^RUN_B: expected a training run .* got {got}$"):
             training_comparison(str(tmp_path / "a"), str(tmp_path / b))
+
+
+def test_an_input_tensor_used_at_every_step_is_digested_once_a_backward(tmp_path):
+    """A leaf the user feeds at every step (a benchmark's fixed hidden states): each backward digests its own call's
+    gradient, not every earlier call's again."""
+    from grpo_core import recorder
+    b = _batch(0)
+    h = b["hidden"].clone().requires_grad_(True)
+    rec = TrainingRecorder(tmp_path / "r")
+    with mock.patch.object(recorder, "row_digests", wraps=recorder.row_digests) as digests:
+        for step in range(1, 5):
+            res = linear_grpo_loss(h, b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                                   advantages=b["rewards"], beta=0.0, kernels="torch")
+            digests.reset_mock()
+            rec.record(res, step=step, input=h, completion_ids=b["ids"], completion_mask=b["mask"])
+            res.loss.backward()
+            assert digests.call_count == 3  # the input, the gradient, the gradient's mantissas
+    rec.close()
+    df, _ = read_training_run(tmp_path / "r")
+    assert df.groupby("step")["field"].apply(lambda f: (f == "grad_digest").sum()).tolist() == [8, 8, 8, 8]
