@@ -17,8 +17,8 @@ Per sequence: the result's `per_sequence_policy`, `per_sequence_kl`, `advantages
 `per_sequence_active_tokens` and `per_sequence_entropy` (when computed), and three digests:
 - `input_digest`: the active rows of the loss's differentiable input (the hidden states of the fused linear loss, the
   logits of the logits ops), their bits;
-- `logps_digest`: the given old and reference log-probs and importance-sampling ratio at the active tokens (absent
-  when none is given);
+- `logps_digest`: the given old and reference log-probs, importance-sampling ratio and token-level advantages at
+  the active tokens (absent when none is given);
 - `grad_digest`: the active rows of that input's gradient, taken in a hook during the backward (absent when no
   backward ran).
 Per call, the scalars `loss`, `policy_loss` and `kl` under the sequence `rank<R>/micro-batch<M>`.
@@ -99,9 +99,15 @@ class TrainingRecorder:
         if self.dir.exists() and any(self.dir.glob("step-*.parquet")):
             raise ValueError(f"record_dir: expected a new folder or one without rank {rank}'s steps (a recorded run is "
                              f"never replaced), got {record_dir}, which holds {self.dir}")
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"metadata: expected values that JSON can write (it is stored in every file), got "
+                             f"{metadata!r} ({exc})") from None
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.metadata = rank, dict(metadata or {})
         self._step: int | None = None
+        self._written: int | None = None  # the last step written: never written again
         self._calls: list[dict[str, Any]] = []
         self._provenance: dict[str, Any] | None = None
 
@@ -120,19 +126,38 @@ class TrainingRecorder:
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
         if self._step is not None and step < self._step:
             raise ValueError(f"step: expected at least the last recorded step {self._step}, got {step}")
+        if step == self._written:
+            raise ValueError(f"step: expected more than {step}, the last written step, got {step} (a written step is "
+                             f"never replaced)")
+        if completion_mask.dim() != 2:
+            raise ValueError(f"completion_mask: expected [B, T], got {list(completion_mask.shape)}")
+        mask = completion_mask.bool()
+        B, T = mask.shape
+        for name, t, shape, dims in (("completion_ids", completion_ids, "[B, T]", 2),
+                                     ("input", input, "[B, T, ...]", 2), ("prompt_ids", prompt_ids, "[B, P]", 1)):
+            if t is not None and (t.dim() < 2 or t.shape[:dims] != mask.shape[:dims]):
+                like = f"[B, T] = {[B, T]}" if dims == 2 else f"B = {B}"
+                raise ValueError(f"{name}: expected {shape} with {like} like completion_mask, got {list(t.shape)}")
+            if name != "input" and t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+                raise ValueError(f"{name}: expected integer token ids, got {t.dtype}")
+        if prompt_mask is not None and (prompt_ids is None or prompt_mask.shape != prompt_ids.shape):
+            raise ValueError(f"prompt_mask: expected the shape of prompt_ids, "
+                             f"{None if prompt_ids is None else list(prompt_ids.shape)}, got {list(prompt_mask.shape)}")
+        for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps),
+                        ("importance_sampling_ratio", importance_sampling_ratio)):
+            ok = [[B, T], [B, 1]] if name == "importance_sampling_ratio" else [[B, T]]
+            if t is not None and list(t.shape) not in ok:
+                raise ValueError(f"{name}: expected [B, T] = {[B, T]}{' or [B, 1]' if len(ok) > 1 else ''} like "
+                                 f"completion_mask, got {list(t.shape)}")
+        n = result.per_sequence_policy.shape[0]
+        lo, hi = (0, n) if sequences is None else sequences
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo <= hi <= n \
+                or hi - lo != B:
+            raise ValueError(f"sequences: expected (lo, hi) with hi - lo = {B} sequences of completion_ids and "
+                             f"0 <= lo <= hi <= {n} (the result's sequences), got {sequences!r}")
         if step != self._step:
             self.flush()
             self._step = step
-        mask = completion_mask.bool()
-        for name, t in (("completion_ids", completion_ids), ("input", input)):
-            if t.dim() < 2 or t.shape[:2] != mask.shape:
-                raise ValueError(f"{name}: expected [B, T{', ...' if name == 'input' else ''}] with [B, T] = "
-                                 f"{list(mask.shape)} like completion_mask, got {list(t.shape)}")
-        B = completion_ids.shape[0]
-        lo, hi = (0, B) if sequences is None else sequences
-        if hi - lo != B or result.per_sequence_policy.shape[0] < hi:
-            raise ValueError(f"sequences: expected (lo, hi) with hi - lo = {B} sequences of completion_ids within the "
-                             f"result's {result.per_sequence_policy.shape[0]}, got {sequences!r}")
         call: dict[str, Any] = {
             "micro_batch": micro_batch, "generation": generation,
             "keys": (completion_ids.detach(), mask, None if prompt_ids is None else prompt_ids.detach(),
@@ -141,8 +166,9 @@ class TrainingRecorder:
             "vectors": {f: getattr(result, f)[lo:hi].detach() for f in SEQUENCE_FIELDS
                         if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
             "input_digest": row_digests(input, mask)}
-        given = [t.detach().float().unsqueeze(-1).expand(B, mask.shape[1], 1) for t in
-                 (old_logps, ref_logps, importance_sampling_ratio) if t is not None]
+        token_advantages = result.advantages[lo:hi] if result.advantages.dim() == 2 else None
+        given = [t.detach().float().unsqueeze(-1).expand(B, T, 1) for t in
+                 (old_logps, ref_logps, importance_sampling_ratio, token_advantages) if t is not None]
         if given:
             call["logps_digest"] = row_digests(torch.cat(given, -1), mask)
         if self._provenance is None:
@@ -151,7 +177,9 @@ class TrainingRecorder:
             def hook(grad: torch.Tensor) -> None:
                 call["grad_digest"] = row_digests(grad, mask)
                 call["grad_mantissa_digest"] = row_digests(mantissas(grad), mask)
-            input.register_hook(hook)
+                handle.remove()  # this call's backward only: an input used again gets its next call's hook
+
+            handle = input.register_hook(hook)
         self._calls.append(call)
 
     def flush(self) -> Path | None:
@@ -185,10 +213,13 @@ class TrainingRecorder:
                 "grpo_core_version": _version()}
         table = table.replace_schema_metadata({b"grpo_core": json.dumps(meta, sort_keys=True).encode()})
         path = self.dir / f"step-{self._step:07d}.parquet"
+        if path.exists():
+            raise ValueError(f"record_dir: expected no other recorder of rank {self.rank} in {self.dir.parent} (a "
+                             f"recorded step is never replaced), got {path}, written by another one")
         tmp = path.with_suffix(".parquet.tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, path)
-        self._calls = []
+        self._calls, self._written = [], self._step
         return path
 
     def close(self) -> None:

@@ -65,6 +65,8 @@ def _read_file(path: Path) -> tuple[pa.Table, dict[str, Any]]:
         meta = json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
     except ValueError:
         raise TableError("metadata", f"{path}: the grpo_core metadata is not JSON") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("metadata", {}), dict):
+        raise TableError("metadata", f"{path}: expected a JSON object whose `metadata` is one, got {meta!r}")
     try:
         rank, step = int(path.parent.name.removeprefix("rank-")), int(path.stem.removeprefix("step-"))
     except ValueError:
@@ -131,9 +133,15 @@ def layout_text(meta: dict) -> str:
     return ", ".join(f"{k} {m.get(k)}" for k in LAYOUT)
 
 
+def sequences_of(run: pd.DataFrame) -> pd.DataFrame:
+    """The run's (step, sequence, occurrence), once each."""
+    return run.loc[~run["field"].isin(SCALAR_FIELDS), ["step", "sequence", "occurrence"]].drop_duplicates()
+
+
 def compare_training(a: pd.DataFrame, b: pd.DataFrame, scalars: bool) -> pd.DataFrame:
     """Rows matched on (step, sequence, occurrence, field) whose bits or digest differ, or that one side lacks
-    (`missing`: "A" or "B", the side that lacks it); the per-call scalars only when `scalars`."""
+    (`missing`: "A" or "B", the side that lacks it; `in_one_run`: the whole sequence, or call, is in one run only,
+    not just this field); the per-call scalars only when `scalars`."""
     cols = KEY + ["value", "bits", "digest"]
     if not scalars:
         a, b = (r[~r["field"].isin(SCALAR_FIELDS)] for r in (a, b))
@@ -142,38 +150,39 @@ def compare_training(a: pd.DataFrame, b: pd.DataFrame, scalars: bool) -> pd.Data
     out = m[(m["_merge"] != "both") | bits_differ | (m["digest_a"].fillna("") != m["digest_b"].fillna(""))].copy()
     out["ulp"] = ulp_distance(out["bits_a"], out["bits_b"], out["field"]).where(out["_merge"] == "both")
     out["missing"] = out["_merge"].map({"left_only": "B", "right_only": "A", "both": ""}).astype(str)
-    return out.drop(columns="_merge").sort_values(KEY, ignore_index=True)
+    in_both = sequences_of(a).merge(sequences_of(b)).assign(in_both=True)
+    out = out.merge(in_both, on=["step", "sequence", "occurrence"], how="left")
+    out["in_one_run"] = (out["missing"] != "") & out["in_both"].isna()
+    return out.drop(columns=["_merge", "in_both"]).sort_values(KEY, ignore_index=True)
 
 
 def sequence_verdicts(diffs: pd.DataFrame) -> pd.DataFrame:
-    """One row per moved (step, sequence, occurrence) present in both runs: the fields that moved, the largest ULP
-    distance, and `cause` (`CAUSES`)."""
-    moved = diffs[(diffs["missing"] == "") & ~diffs["field"].isin(SCALAR_FIELDS)]
-    rows = []
-    for (step, seq, occ), d in moved.groupby(["step", "sequence", "occurrence"], sort=True):
-        fields = sorted(d["field"])
-        rows.append(dict(step=int(step), sequence=seq, occurrence=int(occ), fields=",".join(fields),
-                         cause="upstream" if set(fields) & set(INPUTS) else "scale" if fields == ["grad_digest"]
-                         else "gradient" if set(fields) <= set(GRADIENT) else "loss",
-                         max_ulp=float(d["ulp"].max()) if d["ulp"].notna().any() else 0.0))
-    return pd.DataFrame(rows, columns=["step", "sequence", "occurrence", "fields", "cause", "max_ulp"])
+    """One row per moved (step, sequence, occurrence) present in both runs: the fields that moved or that one run
+    lacks, the largest ULP distance, and `cause` (`CAUSES`)."""
+    moved = diffs[~diffs["in_one_run"] & ~diffs["field"].isin(SCALAR_FIELDS)].sort_values(KEY)
+    by = [moved[k] for k in ("step", "sequence", "occurrence")]  # whole columns: a long run has many sequences
+    out = pd.DataFrame({"fields": moved.groupby(by, sort=True)["field"].agg(",".join),
+                        "upstream": moved["field"].isin(INPUTS).groupby(by, sort=True).any(),
+                        "gradient": moved["field"].isin(GRADIENT).groupby(by, sort=True).all(),
+                        "max_ulp": moved["ulp"].groupby(by, sort=True).max().fillna(0.0).astype("float64")})
+    out["cause"] = np.select([out["upstream"], out["fields"] == "grad_digest", out["gradient"]],
+                             ["upstream", "scale", "gradient"], "loss")
+    out = out.reset_index().astype({"step": "int64", "occurrence": "int64"})
+    return out[["step", "sequence", "occurrence", "fields", "cause", "max_ulp"]]
 
 
 def step_summary(a: pd.DataFrame, b: pd.DataFrame, diffs: pd.DataFrame, verdicts: pd.DataFrame) -> pd.DataFrame:
     """Per step: sequences in both runs, how many moved (by cause), the largest ULP distance, sequences in one run
     only, whether a per-call scalar moved."""
-    def seqs(run: pd.DataFrame) -> pd.DataFrame:
-        s = run[~run["field"].isin(SCALAR_FIELDS)]
-        return s[["step", "sequence", "occurrence"]].drop_duplicates()
-
-    both = seqs(a).merge(seqs(b), how="outer", indicator=True)
-    out = pd.crosstab(both["step"], both["_merge"]).reindex(columns=["both", "left_only", "right_only"], fill_value=0)
+    both = sequences_of(a).merge(sequences_of(b), how="outer", indicator=True)
+    out = pd.crosstab(both["step"], both["_merge"]).reindex(
+        index=sorted(set(a["step"]) | set(b["step"])), columns=["both", "left_only", "right_only"], fill_value=0)
     out.columns = ["sequences", "only_in_A", "only_in_B"]
     causes = pd.crosstab(verdicts["step"], verdicts["cause"]).reindex(columns=list(CAUSES), fill_value=0)
     out = out.join(causes).fillna(0)
     out["moved"] = out[list(CAUSES)].sum(axis=1)
     out["max_ulp"] = verdicts.groupby("step")["max_ulp"].max()
-    scalar = diffs[diffs["field"].isin(SCALAR_FIELDS)]
+    scalar = diffs[diffs["field"].isin(SCALAR_FIELDS) & (diffs["missing"] == "")]
     out["scalar_moved"] = out.index.isin(scalar["step"])
     out = out.fillna({"max_ulp": 0}).astype({c: "int64" for c in ["moved", *CAUSES, "max_ulp"]})
     return out.reset_index()[["step", "sequences", "moved", *CAUSES, "max_ulp", "only_in_A", "only_in_B",
@@ -189,26 +198,22 @@ def metadata_differences(meta_a: dict, meta_b: dict) -> list[str]:
     return out
 
 
-def first_moved(steps: pd.DataFrame) -> int | None:
-    bad = steps[(steps["moved"] > 0) | (steps["only_in_A"] > 0) | (steps["only_in_B"] > 0) | steps["scalar_moved"]]
-    return None if bad.empty else int(bad["step"].iloc[0])
-
-
 def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
     """Everything `harness diff` and `reports drift` say of two training runs; `UsageError` when either is not
     one."""
-    for arg, path in (("a", a_path), ("b", b_path)):
+    for arg, path in (("RUN_A", a_path), ("RUN_B", b_path)):
         if not is_training_run(path):
+            why = "does not exist" if not Path(path).exists() else "no rank-*/step-*.parquet in it"
             raise UsageError(f"{arg}: expected a training run (a folder of rank-*/step-*.parquet) like the other run, "
-                             f"got {path}")
-    a, meta_a = load_training_run("a", a_path)
-    b, meta_b = load_training_run("b", b_path)
+                             f"got {path} ({why})")
+    a, meta_a = load_training_run("RUN_A", a_path)
+    b, meta_b = load_training_run("RUN_B", b_path)
     scalars = same_layout(meta_a, meta_b)
     diffs = compare_training(a, b, scalars)
     verdicts = sequence_verdicts(diffs)
     steps = step_summary(a, b, diffs, verdicts)
     return dict(a=a, b=b, meta_a=meta_a, meta_b=meta_b, scalars=scalars, diffs=diffs, verdicts=verdicts, steps=steps,
-                first=first_moved(steps), settings=metadata_differences(meta_a, meta_b))
+                first=None if diffs.empty else int(diffs["step"].min()), settings=metadata_differences(meta_a, meta_b))
 
 
 def verdict_text(c: dict[str, Any]) -> str:
@@ -225,9 +230,11 @@ def verdict_text(c: dict[str, Any]) -> str:
         lines.append("identical: every recorded value and digest has the same bits at every step")
         return "\n".join(lines)
     first = steps[steps["step"] == c["first"]].iloc[0]
+    scalars = c["diffs"][(c["diffs"]["step"] == c["first"]) & c["diffs"]["field"].isin(SCALAR_FIELDS)]
     lines.append(f"first step where anything moved: {c['first']} ({plural(int(first['moved']), 'sequence')} moved: "
                  + _causes(first) + f"; {int(first['only_in_A']) + int(first['only_in_B'])} in one run only"
-                 + ("; a per-call scalar moved" if first["scalar_moved"] else "") + ")")
+                 + ("; a per-call scalar moved" if first["scalar_moved"] else "")
+                 + ("; a per-call scalar in one run only" if scalars["in_one_run"].any() else "") + ")")
     total = steps[list(CAUSES)].sum()
     lines.append(f"over all steps: {plural(len(v), 'sequence')} moved: " + _causes(total) + "; "
                  f"{int(steps['only_in_A'].sum()) + int(steps['only_in_B'].sum())} in one run only")
@@ -242,12 +249,13 @@ def _causes(counts) -> str:
 
 def format_moved(verdicts: pd.DataFrame, diffs: pd.DataFrame, limit: int = 20) -> str:
     """One line per moved sequence: step, key, cause, the fields with their ULP distances."""
-    lines = []
-    moved = diffs[diffs["missing"] == ""]
-    for r in verdicts.head(limit).itertuples(index=False):
-        d = moved[(moved["step"] == r.step) & (moved["sequence"] == r.sequence) & (moved["occurrence"] == r.occurrence)]
-        parts = [f"{f.field} {f.ulp:.0f} ULP" if not np.isnan(f.ulp) else f.field for f in d.itertuples()]
-        lines.append(f"  step {r.step} sequence {r.sequence}#{r.occurrence}: {r.cause} ({', '.join(parts)})")
+    parts: dict[tuple, list[str]] = {}  # one pass over the differences: a long run lists every sequence
+    for f in diffs[~diffs["in_one_run"]].itertuples(index=False):
+        parts.setdefault((f.step, f.sequence, f.occurrence), []).append(
+            f"{f.field} (missing in {f.missing})" if f.missing else f.field if np.isnan(f.ulp)
+            else f"{f.field} {f.ulp:.0f} ULP")
+    lines = [f"  step {r.step} sequence {r.sequence}#{r.occurrence}: {r.cause} "
+             f"({', '.join(parts[r.step, r.sequence, r.occurrence])})" for r in verdicts.head(limit).itertuples()]
     if len(verdicts) > limit:
         lines.append(f"  ... and {len(verdicts) - limit} more")
     return "\n".join(lines)

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "study" and args.sequences % 4:
         return usage_error("python -m reports study", UsageError(
             f"--sequences: expected a multiple of 4 (the study's groups hold 4 samples), got {args.sequences}"))
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        return usage_error("python -m reports " + args.cmd, UsageError(
+            f"--out: expected a folder for the report, got {args.out}, a file"))
     try:  # after parsing: a mistake is answered before torch loads
         from .drift import drift_report, regroup_study
     except ModuleNotFoundError as exc:  # an interpreter without the project: one line, not a traceback

@@ -129,13 +129,17 @@ def per_step_figure(steps: pd.DataFrame) -> Figure:
     top.set_ylabel("sequences")
     top.set_title("Sequences that moved, per step")
     top.yaxis.set_major_locator(MaxNLocator(integer=True))
+    top.set_ylim(0, max(1.0, top.get_ylim()[1]))  # counts: never below 0, an axis even when nothing moved
     top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     bottom.bar(x, steps["max_ulp"], color="#55a868")
     if steps["max_ulp"].max() > 0:
         bottom.set_yscale("log")
+    else:
+        bottom.set_ylim(0, 1)
+        bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_ylabel("largest ULP distance")
     bottom.set_xlabel("optimizer step")
-    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     return fig
 
 
@@ -151,15 +155,15 @@ def training_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
                           "steps": m["steps"]}
                          for name, path, m in (("A", a_path, c["meta_a"]), ("B", b_path, c["meta_b"]))])
     listing = c["verdicts"].astype({"max_ulp": "int64"})
-    gone = c["diffs"][(c["diffs"]["missing"] != "") & ~c["diffs"]["field"].isin(SCALAR_FIELDS)]
+    gone = c["diffs"][c["diffs"]["in_one_run"] & ~c["diffs"]["field"].isin(SCALAR_FIELDS)]
     gone = gone.groupby(["step", "sequence", "occurrence", "missing"]).size().reset_index(name="rows").rename(
         columns={"missing": "missing in"})
     _write(out, "Training drift report", [
         ("Runs", f"A = {a_path}\nB = {b_path}\n{verdict_text(c)}", runs, None),
         ("Per step", "Sequences matched by key in both runs, how many moved and why (upstream: the loss was given "
          "other hidden states, log-probs or advantages; loss: the same inputs gave other values; scale: only the "
-         "gradient's power-of-two scale moved; gradient: only the gradient moved), the largest ULP distance of a moved value, sequences in one run only.", c["steps"],
-         "per_step.png"),
+         "gradient's power-of-two scale moved; gradient: only the gradient moved), the largest ULP distance of a "
+         "moved value, sequences in one run only.", c["steps"], "per_step.png"),
         ("Sequences that moved", "At most 200 rows, by step.", listing.head(200), None),
         ("In one run only", "Sequences (key#occurrence) that one run recorded at a step and the other did not.",
          gone.head(200), None),

@@ -5,12 +5,16 @@ keys, the run table, its checks, and the diff's attribution on runs made here wi
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -19,7 +23,7 @@ from grpo_core.linear import LinearGRPOLossOp, linear_grpo_loss
 from grpo_core.recorder import TrainingRecorder, sequence_keys
 from harness.record import TableError
 from harness.scenarios import RegroupedLinearOp
-from harness.training import read_training_run, training_comparison
+from harness.training import format_moved, read_training_run, sequence_verdicts, training_comparison, verdict_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,3 +216,195 @@ def test_a_rank_records_its_own_sequences_of_a_whole_batch_result(tmp_path):
     got = df[df["field"] == "per_sequence_kl"].set_index("sequence").loc[
         sequence_keys(b["ids"][4:], b["mask"][4:], b["prompt"][4:]), "bits"].tolist()
     assert got == res.per_sequence_kl[4:].view(torch.int32).tolist()
+
+
+def _one_call(seed: int = 0) -> tuple[dict, object, dict]:
+    b = _batch(seed)
+    res = linear_grpo_loss(b["hidden"], b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                           advantages=b["rewards"], beta=0.0, kernels="torch")
+    return b, res, dict(input=b["hidden"], completion_ids=b["ids"], completion_mask=b["mask"])
+
+
+def test_recorder_refuses_misshapen_side_tensors(tmp_path):
+    """A tensor beside the batch that does not fit it is refused by name, never truncated or broadcast."""
+    b, res, args = _one_call()
+    rec = TrainingRecorder(tmp_path / "r")
+    bad = [(dict(prompt_ids=b["prompt"][:3]), r"prompt_ids: expected \[B, P\] with B = 8 like completion_mask, "
+                                              r"got \[3, 3\]"),
+           (dict(prompt_ids=b["prompt"], prompt_mask=torch.ones(8, 2)), r"prompt_mask: expected the shape of "
+                                                                        r"prompt_ids, \[8, 3\], got \[8, 2\]"),
+           (dict(old_logps=b["old"][:, :3]), r"old_logps: expected \[B, T\] = \[8, 6\] like completion_mask, got "
+                                             r"\[8, 3\]"),
+           (dict(ref_logps=b["old"][..., None]), r"ref_logps: expected \[B, T\] = \[8, 6\]"),
+           (dict(importance_sampling_ratio=torch.ones(8)), r"importance_sampling_ratio: expected \[B, T\] = \[8, 6\] "
+                                                           r"or \[B, 1\] like completion_mask, got \[8\]"),
+           (dict(sequences=(-1, 7)), r"sequences: .* and 0 <= lo <= hi <= 8 \(the result's sequences\), got"),
+           (dict(sequences=(0.0, 8.0)), r"sequences: expected \(lo, hi\)"),
+           (dict(completion_ids=b["ids"].float()), r"completion_ids: expected integer token ids, got torch.float32"),
+           (dict(completion_mask=b["mask"][0]), r"completion_mask: expected \[B, T\], got \[6\]")]
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
+            rec.record(res, step=1, **{**args, **kw})
+    # B == T: a [B] vector would broadcast along T without a word
+    sq = _batch(1, B=6, T=6)
+    sq_res = linear_grpo_loss(sq["hidden"], sq["weight"], sq["ids"], sq["old"], None, completion_mask=sq["mask"],
+                              advantages=sq["rewards"], beta=0.0, kernels="torch")
+    with pytest.raises(ValueError, match=r"old_logps: expected \[B, T\] = \[6, 6\] like completion_mask, got \[6\]"):
+        rec.record(sq_res, step=1, input=sq["hidden"], completion_ids=sq["ids"], completion_mask=sq["mask"],
+                   old_logps=sq["old"][:, 0])
+    # a result that covers more sequences than were given, without `sequences`: whose values are these?
+    with pytest.raises(ValueError, match=r"sequences: expected \(lo, hi\) with hi - lo = 4"):
+        rec.record(res, step=1, input=b["hidden"][4:], completion_ids=b["ids"][4:], completion_mask=b["mask"][4:])
+    rec.record(res, step=1, importance_sampling_ratio=torch.ones(8, 1), **args)  # sequence-level: [B, 1]
+    assert rec.flush() is not None
+    with pytest.raises(ValueError, match=r"metadata: expected values that JSON can write"):
+        TrainingRecorder(tmp_path / "m", metadata={"dtype": torch.bfloat16})
+
+
+def test_a_written_step_is_never_replaced(tmp_path):
+    b, res, args = _one_call()
+    rec = TrainingRecorder(tmp_path / "r")
+    rec.record(res, step=1, **args)
+    written = rec.flush()
+    before = written.read_bytes()
+    with pytest.raises(ValueError, match="step: expected more than 1, the last written step, got 1"):
+        rec.record(res, step=1, micro_batch=1, **args)
+    # two recorders of one rank in one folder: the second one's step is refused, the first one's kept
+    first, second = TrainingRecorder(tmp_path / "two"), TrainingRecorder(tmp_path / "two")
+    first.record(res, step=1, **args)
+    second.record(res, step=1, micro_batch=1, **args)
+    first.close()
+    with pytest.raises(ValueError, match="record_dir: expected no other recorder of rank 0"):
+        second.close()
+    assert (tmp_path / "two" / "rank-00000" / "step-0000001.parquet").read_bytes() == before
+
+
+def test_a_field_recorded_in_one_run_only_is_a_difference(tmp_path):
+    """Run B ran no backward (no gradient digests) and gave no old log-probs: not identical, and which fields."""
+    for name, full in (("a", True), ("b", False)):
+        b = _batch(1)
+        h = b["hidden"].clone().requires_grad_(True)
+        res = linear_grpo_loss(h, b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                               advantages=b["rewards"], beta=0.0, kernels="torch")
+        rec = TrainingRecorder(tmp_path / name)
+        rec.record(res, step=1, input=h, completion_ids=b["ids"], completion_mask=b["mask"], prompt_ids=b["prompt"],
+                   old_logps=b["old"] if full else None)
+        if full:
+            res.loss.backward()
+        rec.close()
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert c["first"] == 1
+    assert c["steps"].loc[0, ["sequences", "moved", "upstream", "only_in_A", "only_in_B"]].tolist() == [8, 8, 8, 0, 0]
+    assert set(c["verdicts"]["fields"]) == {"grad_digest,grad_mantissa_digest,logps_digest"}
+    assert "logps_digest (missing in B)" in format_moved(c["verdicts"], c["diffs"])
+
+
+def test_runs_of_different_lengths(tmp_path):
+    """A has steps 1-3, B steps 1-5: steps 4 and 5 are in one run only, nothing moved, no scalar moved."""
+    record_run(tmp_path / "a", steps=3)
+    record_run(tmp_path / "b", steps=5)
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    steps = c["steps"].set_index("step")
+    assert c["first"] == 4 and c["verdicts"].empty
+    assert steps["only_in_B"].tolist() == [0, 0, 0, 8, 8] and not steps["scalar_moved"].any()
+    text = verdict_text(c)
+    assert "first step where anything moved: 4" in text and "a per-call scalar moved" not in text
+    assert "a per-call scalar in one run only" in text
+
+
+def test_listing_every_moved_sequence_of_a_long_run_is_quick():
+    """`reports drift` attributes and lists every moved sequence: 1,000 steps x 64 sequences that all moved upstream
+    (a run after its weights moved) must not take minutes."""
+    n = 64_000
+    steps, seqs = np.repeat(np.arange(1, 1001), 64), np.tile([f"{i:016x}" for i in range(64)], 1000)
+    fields = ["input_digest", "per_sequence_policy"]
+    diffs = pd.DataFrame({"step": np.repeat(steps, 2), "sequence": np.repeat(seqs, 2), "occurrence": 0,
+                          "field": np.tile(fields, n), "ulp": np.tile([np.nan, 3.0], n), "missing": "",
+                          "in_one_run": False})
+    verdicts = pd.DataFrame({"step": steps, "sequence": seqs, "occurrence": 0, "fields": ",".join(fields),
+                             "cause": "upstream", "max_ulp": 3.0})
+    start = time.monotonic()
+    assert sequence_verdicts(diffs).equals(verdicts)
+    lines = format_moved(verdicts, diffs, limit=10**9).splitlines()
+    assert time.monotonic() - start < 10
+    assert len(lines) == n and lines[-1] == (f"  step 1000 sequence {63:016x}#0: upstream (input_digest, "
+                                             f"per_sequence_policy 3 ULP)")
+
+
+def test_damaged_metadata_and_a_report_folder_that_is_a_file(tmp_path, capsys):
+    record_run(tmp_path / "a", steps=1)
+    path = tmp_path / "a" / "rank-00000" / "step-0000001.parquet"
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[b"grpo_core"])
+    for bad in ([0], {**meta, "metadata": [1, 2]}):
+        pq.write_table(table.replace_schema_metadata({b"grpo_core": json.dumps(bad).encode()}), path)
+        with pytest.raises(TableError, match="metadata: .* expected a JSON object"):
+            read_training_run(tmp_path / "a")
+    pq.write_table(table, path)
+    from reports.__main__ import main
+    (tmp_path / "file").write_text("")
+    assert main(["drift", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out: expected a folder for the report, got" in err
+
+
+def test_per_step_figure_of_one_step_and_of_nothing_moved():
+    from reports.drift import per_step_figure
+    steps = pd.DataFrame({"step": [7], "sequences": [8], "moved": [0], "upstream": [0], "loss": [0], "scale": [0],
+                          "gradient": [0], "max_ulp": [0], "only_in_A": [0], "only_in_B": [0], "scalar_moved": [False]})
+    fig = per_step_figure(steps)
+    fig.canvas.draw()
+    ticks = fig.axes[1].get_xticks()
+    ticks = ticks[(ticks >= fig.axes[1].get_xlim()[0]) & (ticks <= fig.axes[1].get_xlim()[1])]
+    assert list(ticks) == [7.0]  # an optimizer step is an integer
+    assert fig.axes[0].get_ylim()[0] == 0 and fig.axes[1].get_ylim()[0] == 0  # no negative count on the axes
+    assert all(float(t).is_integer() for ax in fig.axes for t in ax.get_yticks())
+
+
+def test_token_level_advantages_that_moved_are_upstream(tmp_path):
+    """Advantages given per token ([B, T]) are what the loss was given: when they move, the cause is upstream, never
+    the loss computation."""
+    for name in ("a", "b"):
+        b = _batch(2)
+        adv = b["rewards"][:, None].expand(8, 6).clone()
+        if name == "b":
+            adv[3, 0] = torch.nextafter(adv[3, 0], torch.tensor(1e9))
+        h = b["hidden"].clone().requires_grad_(True)
+        res = linear_grpo_loss(h, b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"], advantages=adv,
+                               beta=0.0, kernels="torch")
+        rec = TrainingRecorder(tmp_path / name)
+        rec.record(res, step=1, input=h, completion_ids=b["ids"], completion_mask=b["mask"], prompt_ids=b["prompt"])
+        res.loss.backward()
+        rec.close()
+    c = training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert c["verdicts"]["cause"].tolist() == ["upstream"] and "logps_digest" in c["verdicts"]["fields"].iloc[0]
+
+
+def test_a_path_that_is_no_training_run_is_named_as_the_command_line_names_it(tmp_path):
+    from harness.cli import UsageError
+    record_run(tmp_path / "a", steps=1)
+    (tmp_path / "empty").mkdir()
+    for b, why in (("nowhere", "does not exist"), ("empty", "no rank-*/step-*.parquet in it")):
+        got = re.escape(f"{tmp_path / b} ({why})")
+        with pytest.raises(UsageError, match=f"^RUN_B: expected a training run .* got {got}$"):
+            training_comparison(str(tmp_path / "a"), str(tmp_path / b))
+
+
+def test_an_input_tensor_used_at_every_step_is_digested_once_a_backward(tmp_path):
+    """A leaf the user feeds at every step (a benchmark's fixed hidden states): each backward digests its own call's
+    gradient, not every earlier call's again."""
+    from grpo_core import recorder
+    b = _batch(0)
+    h = b["hidden"].clone().requires_grad_(True)
+    rec = TrainingRecorder(tmp_path / "r")
+    with mock.patch.object(recorder, "row_digests", wraps=recorder.row_digests) as digests:
+        for step in range(1, 5):
+            res = linear_grpo_loss(h, b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
+                                   advantages=b["rewards"], beta=0.0, kernels="torch")
+            digests.reset_mock()
+            rec.record(res, step=step, input=h, completion_ids=b["ids"], completion_mask=b["mask"])
+            res.loss.backward()
+            assert digests.call_count == 3  # the input, the gradient, the gradient's mantissas
+    rec.close()
+    df, _ = read_training_run(tmp_path / "r")
+    assert df.groupby("step")["field"].apply(lambda f: (f == "grad_digest").sum()).tolist() == [8, 8, 8, 8]
