@@ -26,8 +26,8 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
-from harness.diff import (cells_of, compare, contract_differences, drift_first, format_differences, plural,  # noqa: E402
-                          summarize)
+from harness.diff import (cells_of, compare, contract_differences, drift_first, format_differences,  # noqa: E402
+                          plural, summarize)
 from harness.record import load_run  # noqa: E402
 from harness.training import (LAYOUT, SCALAR_FIELDS, format_moved, is_training_run, training_comparison,  # noqa: E402
                               verdict_text)

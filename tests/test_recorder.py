@@ -170,8 +170,8 @@ def test_recorder_refuses_bad_calls(tmp_path):
         rec.record(res, step=3, sequences=(1, 8), **args)
     with pytest.raises(ValueError, match="micro_batch: expected an int >= 0"):
         rec.record(res, step=3, micro_batch=-1, **args)
-    with pytest.raises(ValueError, match=r"input: expected \[B, T, ...\] with \[B, T\] = \[8, 6\] like completion_mask, "
-                                         r"got \[8, 5, 16\]"):
+    with pytest.raises(ValueError, match=r"input: expected \[B, T, ...\] with \[B, T\] = \[8, 6\] like "
+                                         r"completion_mask, got \[8, 5, 16\]"):
         rec.record(res, step=3, **{**args, "input": b["hidden"][:, :5]})
 
 
