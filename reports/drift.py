@@ -179,8 +179,8 @@ def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
     Raises `UsageError` when a path is not a run (folder or run.parquet)."""
     if is_training_run(a_path) or is_training_run(b_path):
         return training_report(a_path, b_path, out)
-    a, meta_a = load_run("a", a_path)
-    b, meta_b = load_run("b", b_path)
+    a, meta_a = load_run("RUN_A", a_path)
+    b, meta_b = load_run("RUN_B", b_path)
     out.mkdir(parents=True, exist_ok=True)
     diffs = compare(a, b, ("A", "B"))
     cells = drift_first(summarize(cells_of(a, b), diffs))

@@ -211,7 +211,7 @@ USAGE = [  # (module, arguments, what the line must name); {tmp} is a scratch fo
     ("harness", ["diff", "{not_a_run}/summary.csv", "{not_a_run}"], "not a Parquet file"),
     ("reports", ["study", "--seeds", "0", "--out", "{tmp}/study"], "--seeds: expected an integer >= 1, got 0"),
     ("reports", ["drift", "{tmp}/absent", "{not_a_run}", "--out", "{tmp}/r"],
-     "a: expected a run folder or a run.parquet file, got"),
+     "RUN_A: expected a run folder or a run.parquet file, got"),
     ("reports", [], "python -m reports: error: COMMAND: expected one of drift, study, got nothing"),
     ("reports", ["drift", "{tmp}/absent"], "the following arguments are required: RUN_B, --out"),
     ("reports", ["study", "--out", "{tmp}/s", "--bogus"], "python -m reports study: error: unrecognized arguments: "
