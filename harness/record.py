@@ -238,13 +238,18 @@ def read_table(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
         if _kind(got[want.name]) not in (_kind(want.type), "null"):
             raise TableError("schema", f"{path}: column {want.name} expected {_kind(want.type)} values, got "
                                        f"{got[want.name]}")
-    try:
-        meta = json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
-    except ValueError:
-        raise TableError("metadata", f"{path}: the grpo_core metadata is not JSON") from None
+    meta = table_metadata(table, path)
     df = table.select(COLUMNS).cast(SCHEMA).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
     check_rows(df, str(path))
     return df, meta
+
+
+def table_metadata(table: pa.Table, path: Path) -> Any:
+    """The grpo_core metadata a recorded table carries (JSON), or `TableError`."""
+    try:
+        return json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
+    except ValueError:
+        raise TableError("metadata", f"{path}: the grpo_core metadata is not JSON") from None
 
 
 def check_rows(df: pd.DataFrame, where: str) -> None:

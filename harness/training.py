@@ -17,7 +17,6 @@ layout (world size, accumulation, micro-batch size): otherwise their micro-batch
 from __future__ import annotations
 
 import concurrent.futures
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from grpo_core.recorder import DIGEST_FIELDS, SCALAR_FIELDS, SEQUENCE_FIELDS, sc
 
 from .cli import UsageError
 from .diff import plural, ulp_distance
-from .record import TableError, check_table
+from .record import TableError, check_table, table_metadata
 
 KEY = ["step", "sequence", "occurrence", "field"]
 INPUTS = ("input_digest", "logps_digest", "advantages")  # what the loss is given
@@ -61,10 +60,7 @@ def _read_file(path: Path) -> tuple[pa.Table, dict[str, Any]]:
     if table.schema.remove_metadata() != want:
         raise TableError("schema", f"{path}: expected columns {want.names} typed {[str(t) for t in want.types]}, got "
                                    f"{table.schema.names} typed {[str(t) for t in table.schema.types]}")
-    try:
-        meta = json.loads((table.schema.metadata or {}).get(b"grpo_core", b"{}"))
-    except ValueError:
-        raise TableError("metadata", f"{path}: the grpo_core metadata is not JSON") from None
+    meta = table_metadata(table, path)
     if not isinstance(meta, dict) or not isinstance(meta.get("metadata", {}), dict):
         raise TableError("metadata", f"{path}: expected a JSON object whose `metadata` is one, got {meta!r}")
     try:
