@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 import zlib
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter on the CPU (read at import time)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from grpo_core import raise_pending  # noqa: E402
+from grpo_core import LossContractError, raise_pending  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
     # The deterministic path's row kernel reads CHUNK columns a loop iteration (4096 on a GPU). The interpreter's time
@@ -64,6 +65,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     view = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
             torch.bfloat16: torch.int16}.get(t.dtype)
     return t.view(view) if view is not None else t
+
+
+def attempt(call, *args) -> tuple[str | None, str | None, float]:
+    """A fault test's call on one rank: `(its LossContractError's message, any other exception, seconds)`; the world
+    goes on whatever it raised."""
+    error = other = None
+    start = time.monotonic()
+    try:
+        call(*args)
+    except LossContractError as exc:
+        error = str(exc)
+    except Exception as exc:  # a failure of the test: recorded, the world goes on if it can
+        other = f"{type(exc).__name__}: {exc}"
+    return error, other, time.monotonic() - start
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, attempt
 from grpo_core import LossContractError, kernel_registry
 from grpo_core.distributed import DistributedGRPOLossOp
 from harness.topology import Layout, run_world
@@ -185,15 +185,7 @@ def fault_suite(ctx) -> list[dict]:
                     a["is_ratio"] = torch.ones_like(a["old"])
                 if ctx.rank == faulty:
                     inject(a, lay)
-                error = other = None
-                start = time.monotonic()
-                try:
-                    _call(a)
-                except LossContractError as exc:
-                    error = str(exc)
-                except Exception as exc:  # a failure of this test: recorded, the world goes on if it can
-                    other = f"{type(exc).__name__}: {exc}"
-                seconds = time.monotonic() - start
+                error, other, seconds = attempt(_call, a)
                 c = contract_for(CASE, lay, p.tp_rank, p.dp_rank)
                 try:
                     mismatches = compare(run_local(inp, c, ctx.device, p.tp_group, p.dp_group), want, c,

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 
 import pytest
 import torch
 
-from conftest import HAS_CUDA, bits
-from grpo_core import GRPOLossContract, LossContractError, ShardingSpec
+from conftest import HAS_CUDA, attempt, bits
+from grpo_core import GRPOLossContract, ShardingSpec
 from grpo_core.linear import LinearGRPOLossOp
 from harness.topology import Layout, run_world
 from test_linear import make
@@ -117,16 +116,9 @@ def suite(ctx) -> list[dict]:
                 a = _args(inp, lay, place, **everyone)
                 if ctx.rank == faulty:
                     inject(a)
-                error = other = None
-                start = time.monotonic()
-                try:
-                    _call(a)
-                except LossContractError as exc:
-                    error = str(exc)
-                except Exception as exc:
-                    other = f"{type(exc).__name__}: {exc}"
+                error, other, seconds = attempt(_call, a)
                 records.append(dict(layout=lay.name, fault=name, faulty=faulty, rank=ctx.rank, error=error, other=other,
-                                    seconds=time.monotonic() - start, needles=needles,
+                                    seconds=seconds, needles=needles,
                                     after=usable(_args(inp, lay, place))))
         if lay.tp > 1:  # hidden states that differ at a masked token only: no error, the single-rank bits
             a = _args(inp, lay, place)
