@@ -87,14 +87,18 @@ def _provenance(device: torch.device) -> dict[str, Any]:
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
 
 
+def _check_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+
+
 class TrainingRecorder:
     """Appends every loss call of a training run to `record_dir` (see the module docstring). `rank`: this process's
     data-parallel rank (with tensor parallelism, record on TP rank 0 alone: its peers hold the same numbers);
     `metadata`: what describes the run (world size, accumulation, ...), stored with provenance in every file."""
 
     def __init__(self, record_dir: str | os.PathLike, *, rank: int = 0, metadata: dict[str, Any] | None = None):
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
+        _check_count("rank", rank)
         self.dir = Path(record_dir) / f"rank-{rank:05d}"
         if self.dir.exists() and any(self.dir.glob("step-*.parquet")):
             raise ValueError(f"record_dir: expected a new folder or one without rank {rank}'s steps (a recorded run is "
@@ -122,8 +126,7 @@ class TrainingRecorder:
         `sequences`: `(lo, hi)`, where this rank's B sequences sit in the result's vectors (default: the result covers
         exactly these B sequences, as a call in one process does)."""
         for name, value in (("step", step), ("micro_batch", micro_batch), ("generation", generation)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+            _check_count(name, value)
         if self._step is not None and step < self._step:
             raise ValueError(f"step: expected at least the last recorded step {self._step}, got {step}")
         if step == self._written:
