@@ -29,8 +29,8 @@ from grpo_core.distributed import DistributedGRPOLossOp  # noqa: E402
 from harness.diff import (cells_of, compare, contract_differences, drift_first, format_differences,  # noqa: E402
                           plural, summarize)
 from harness.record import load_run  # noqa: E402
-from harness.training import (LAYOUT, SCALAR_FIELDS, format_moved, is_training_run, training_comparison,  # noqa: E402
-                              verdict_text)
+from harness.training import (CAUSES, LAYOUT, SCALAR_FIELDS, format_moved, is_training_run,  # noqa: E402
+                              training_comparison, verdict_text)
 from harness.scenarios import RegroupedTokenSumOp, Scenario  # noqa: E402
 
 VECTOR_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages")
@@ -121,8 +121,7 @@ def per_step_figure(steps: pd.DataFrame) -> Figure:
     distance per step."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
     x, base = steps["step"].to_numpy(), np.zeros(len(steps))
-    for column, color in (("upstream", "#4c72b0"), ("loss", "#c44e52"), ("scale", "#8172b3"),
-                          ("gradient", "#dd8452")):
+    for column, color in zip(CAUSES, ("#4c72b0", "#c44e52", "#8172b3", "#dd8452")):
         top.bar(x, steps[column], bottom=base, color=color, label=f"moved: {column}")
         base = base + steps[column].to_numpy()
     top.bar(x, steps["only_in_A"] + steps["only_in_B"], bottom=base, color="#999999", label="in one run only")
@@ -160,10 +159,9 @@ def training_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
         columns={"missing": "missing in"})
     _write(out, "Training drift report", [
         ("Runs", f"A = {a_path}\nB = {b_path}\n{verdict_text(c)}", runs, None),
-        ("Per step", "Sequences matched by key in both runs, how many moved and why (upstream: the loss was given "
-         "other hidden states, log-probs or advantages; loss: the same inputs gave other values; scale: only the "
-         "gradient's power-of-two scale moved; gradient: only the gradient moved), the largest ULP distance of a "
-         "moved value, sequences in one run only.", c["steps"], "per_step.png"),
+        ("Per step", "Sequences matched by key in both runs, how many moved and why ("
+         + "; ".join(f"{cause}: {why}" for cause, why in CAUSES.items())
+         + "), the largest ULP distance of a moved value, sequences in one run only.", c["steps"], "per_step.png"),
         ("Sequences that moved", "At most 200 rows, by step.", listing.head(200), None),
         ("In one run only", "Sequences (key#occurrence) that one run recorded at a step and the other did not.",
          gone.head(200), None),
