@@ -7,7 +7,9 @@ signed 16-bit words `u[j]` (little-endian: an fp32 is its low word, then its hig
 hash is `h_l = (sum_j c_l[j] * u[j]) mod p` with fixed weights `0 < c_l[j] < 2**15` and the prime `p = 2**31 - 1`, and
 a sequence's digest is `(sum_r w_l[r] * h_l(row r)) mod p` over its active rows, `r` the row's place among them, with
 `0 < w_l[r] < p`. One changed word changes every lane (`|c * delta| < p`, p prime); a row moved to another place
-meets other weights; padding rows never enter. Cost: one read of the tensor and a few int32 passes over it.
+meets other weights; padding rows never enter. A row's sum is one fp64 matmul of the words with the weights: every
+product and partial sum is an integer below 2**53, so the matmul is exact whatever its order. Cost: one read of the
+tensor, its words as fp64, a matmul with LANES columns.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ __all__ = ["LANES", "PRIME", "mantissas", "row_digests"]
 
 PRIME = (1 << 31) - 1
 LANES = 4
-_CHUNK = 1 << 24  # 16-bit words per step (bounds the int32 temporaries)
+_CHUNK = 1 << 24  # 16-bit words per step (bounds the fp64 temporaries)
+_MAX_WORDS = 1 << 23  # a row's words: below it, a row's sum (< words * 2**30) is below 2**53, exact in fp64
 _SIGN_AND_MANTISSA = {torch.float32: 0x807FFFFF, torch.bfloat16: 0x807F, torch.float16: 0x83FF}
 
 
@@ -40,28 +43,28 @@ def _weights(n: int, salt: int, limit: int, device: torch.device) -> torch.Tenso
 
 def row_digests(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`[B, LANES]` int64: for each sequence b, the digest of the rows `x[b, t]` (flattened) with `mask[b, t]`, in
-    order of t (see the module docstring). `x` `[B, T, ...]` of a 2-, 4- or 8-byte dtype."""
+    order of t (see the module docstring). `x` `[B, T, ...]` of a 2-, 4- or 8-byte dtype. No host sync: it queues on
+    the device with the rest of the step."""
     B, T = mask.shape
     if x.shape[:2] != (B, T):
         raise LossContractError(f"x: expected [B, T, ...] with [B, T] = {[B, T]} like the mask, got {list(x.shape)}")
     if x.element_size() not in (2, 4, 8):
         raise LossContractError(f"x: expected a dtype of 2, 4 or 8 bytes, got {x.dtype}")
-    mask = mask.to(device=x.device, dtype=torch.bool)
-    rows = mask.reshape(-1).nonzero().squeeze(1)
-    out = torch.zeros((B, LANES), dtype=torch.int64, device=x.device)
-    if rows.numel() == 0:
-        return out
-    seq, ordinal = rows // T, (mask.cumsum(1) - 1).reshape(-1)[rows]  # the row's place among its active rows
+    dev = x.device
     words = x.detach().reshape(B * T, -1).contiguous().view(torch.int16)
-    cols = _weights(words.shape[1], 1, 1 << 15, x.device).to(torch.int32)  # |word * c| < 2**30
-    row_w = _weights(T, 2, PRIME, x.device)
-    step = max(1, _CHUNK // words.shape[1])
-    for start in range(0, rows.numel(), step):
-        r = slice(start, start + step)
-        chunk = words[rows[r]].to(torch.int32)
-        for lane in range(LANES):
-            h = (chunk * cols[lane]).sum(-1, dtype=torch.int64) % PRIME  # a row's sum < 2**30 * words
-            out[:, lane].index_add_(0, seq[r], h * row_w[lane, ordinal[r]] % PRIME)  # each < 2**31
+    if words.shape[1] >= _MAX_WORDS:
+        raise LossContractError(f"x: expected fewer than {_MAX_WORDS} 16-bit words a row, got {words.shape[1]}")
+    cols = _weights(words.shape[1], 1, 1 << 15, dev).T.double()  # [words, LANES]
+    mask = mask.to(device=dev, dtype=torch.bool)
+    ordinal = (mask.cumsum(1) - 1).clamp(min=0).reshape(-1)  # a row's place among its sequence's active rows
+    row_w = torch.where(mask.reshape(-1, 1), _weights(T, 2, PRIME, dev).T[ordinal], 0)  # 0 on padding rows
+    seq = torch.arange(B, device=dev).repeat_interleave(T)
+    out = torch.zeros((B, LANES), dtype=torch.int64, device=dev)
+    step = max(1, _CHUNK // max(words.shape[1], 1))
+    for lo in range(0, B * T, step):
+        # an fp64 matmul of integers: every product < 2**30 and every partial sum < 2**53 is exact, in any order
+        h = (words[lo:lo + step].double() @ cols).long() % PRIME
+        out.index_add_(0, seq[lo:lo + step], h * row_w[lo:lo + step] % PRIME)  # each term < 2**31
     return out % PRIME
 
 
