@@ -10,7 +10,11 @@ logits), `native` (`h @ W.T`, then the native op), and Liger's `LigerFusedLinear
 `use_liger_kernel=True` runs) when it imports. beta 0 is TRL's default; beta 0.04 takes `ref_logps`. `*_gspo`:
 the same with GSPO's `importance_sampling_level="sequence"` (ours computes the logits twice: its floor stays three
 matmuls). `linear_entropy`: with the token entropies (`entropy=True`, a third row statistic), as `GRPOCoreTrainer`
-runs it.
+runs it. `trl_head`: TRL 1.16's default path when `trl` imports, what `GRPOTrainer` runs: its fused LM head
+(`add_fused_lm_head`'s `_ChunkedLogProbFunction` on the active rows, `outputs=("log_probs", "entropy")`, tiles of
+`_CHUNKED_LOGPROB_CHUNK_SIZE` columns), then its token loss (dapo, the clipped surrogate and the k3 KL, as
+`_compute_loss` with its defaults: epsilon 0.2 both sides). The log-prob forward: ours (`logprobs`, `linear_logprobs`) and TRL's head without gradients
+(`trl_logprobs`, `outputs=("log_probs",)`, as for the old and reference log-probs).
 Peak memory is the peak allocated over what was allocated before the call, gradients included.
 """
 
@@ -88,6 +92,25 @@ def backends(beta: float) -> dict:
                       loss_type="dapo")[0]
         return run
 
+    try:
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, _ChunkedLogProbFunction
+
+        def trl_head(i, h, w):
+            m = i["mask"]
+            logp, ent = _ChunkedLogProbFunction.apply(h[m], w, None, i["ids"][m], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+                                                      None, 1.0, ("log_probs", "entropy"))[:2]
+            logp = logp.new_zeros(m.shape).masked_scatter(m, logp)
+            ent.detach().sum()  # the logged entropy
+            ratio = torch.exp(logp - i["old"])
+            adv = i["adv"][:, None]
+            per_token = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+            if beta > 0:
+                d = i["ref"] - logp
+                per_token = per_token + beta * (torch.exp(d) - d - 1)
+            return (per_token * m).sum() / m.sum().clamp(min=1.0)
+        out["trl_head"] = trl_head
+    except ImportError:
+        pass
     out["matmul_then_triton"] = materialized(triton_op)
     out["native"] = materialized(native)
     try:
@@ -98,6 +121,25 @@ def backends(beta: float) -> dict:
             out[f"liger{suffix}"] = lambda i, h, w, liger=liger: liger(
                 h, w, i["ids"], i["mask"].long(), i["adv"], ref_per_token_logps=ref_of(i),
                 old_per_token_logps=i["old"])[0]
+    except ImportError:
+        pass
+    return out
+
+
+def logprob_backends() -> dict:
+    """The log-prob forwards (no gradients): ours and, when `trl` imports, TRL's head as it runs for the old and
+    reference log-probs."""
+    out = {"logprobs": lambda i, h, w: linear_logprobs(h, w, i["ids"], i["mask"])}
+    try:
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, _ChunkedLogProbFunction
+
+        def trl_logprobs(i, h, w):
+            m = i["mask"]
+            with torch.no_grad():
+                logp = _ChunkedLogProbFunction.apply(h[m], w, None, i["ids"][m], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+                                                     None, 1.0, ("log_probs",))[0]
+                return logp.new_zeros(m.shape).masked_scatter(m, logp)
+        out["trl_logprobs"] = trl_logprobs
     except ImportError:
         pass
     return out
@@ -153,22 +195,22 @@ def main() -> None:
         N = int(i["mask"].sum())
         flops = 2 * N * H * V
         for beta in (float(b) for b in args.betas.split(",")):
-            runs = {k: v for k, v in backends(beta).items() if k not in skip and f"{k}@{B}x{T}" not in skip}
-            if beta == 0:  # the log-prob forward, once per config
-                runs["logprobs"] = None
+            runs = {**backends(beta), **(logprob_backends() if beta == 0 else {})}  # log-probs: once per config
             for name, fn in runs.items():
-                h = i["hidden"].detach().requires_grad_(name != "logprobs")
-                w = i["weight"].detach().requires_grad_(name != "logprobs")
-                if name == "logprobs":
-                    def run(h=h, w=w):
-                        linear_logprobs(h, w, i["ids"], i["mask"])
-                    mode, floor = "logprob_fwd", flops / rate * 1e3
-                else:
-                    def run(h=h, w=w, fn=fn):
-                        fn(i, h, w).backward()
-                    mode, floor = "fwd_bwd", 3 * flops / rate * 1e3
+                if name in skip or f"{name}@{B}x{T}" in skip:
+                    continue
+                forward_only = name.endswith("logprobs")
+                h = i["hidden"].detach().requires_grad_(not forward_only)
+                w = i["weight"].detach().requires_grad_(not forward_only)
+
+                def run(h=h, w=w, fn=fn, forward_only=forward_only):
+                    out = fn(i, h, w)
+                    if not forward_only:
+                        out.backward()
+                mode, floor = ("logprob_fwd", 1) if forward_only else ("fwd_bwd", 3)
+                floor = floor * flops / rate * 1e3  # matmuls of 2NHV each
                 try:
-                    p50, p20, p80, peak = timed(run, grad_to_none=None if name == "logprobs" else [h, w])
+                    p50, p20, p80, peak = timed(run, grad_to_none=None if forward_only else [h, w])
                 except torch.OutOfMemoryError:
                     print(f"{name} {mode} {B}x{T},{H},{V} beta={beta}: out of memory", file=sys.stderr, flush=True)
                     torch.cuda.empty_cache()

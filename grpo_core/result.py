@@ -42,18 +42,22 @@ class GRPOLossResult:
     token_entropy: torch.Tensor | None = None  # contract.entropy: each active token's `[S, T]` (0.0 on masked ones)
     per_sequence_entropy: torch.Tensor | None = None  # its token sums `[S]`
     entropy_token_mean: torch.Tensor | None = None  # fp32 scalar: the mean over the active tokens (TRL's `entropy`)
+    per_sequence_kept_entropy: torch.Tensor | None = None  # the token sums over the kept tokens `[S]` (top_entropy)
+    per_sequence_kept_tokens: torch.Tensor | None = None  # the kept tokens per sequence, int64 `[S]`
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.loss, self.policy_loss, self.kl))
 
 
-def entropy_fields(token_entropy: torch.Tensor, per_sequence: torch.Tensor, counts: torch.Tensor
-                   ) -> dict[str, torch.Tensor]:
-    """The result's entropy fields from the token entropies `[S, T]` (0.0 on masked tokens), their sums per sequence
-    and the active tokens per sequence."""
+def entropy_fields(token_entropy: torch.Tensor, per_sequence: torch.Tensor, counts: torch.Tensor,
+                   kept: torch.Tensor, kept_counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The result's entropy fields from the token entropies `[S, T]` (0.0 on masked tokens), their sums per sequence,
+    the active tokens per sequence, and the sums and counts over the tokens `canonical.entropy_keep` keeps (those whose
+    policy terms and entropy bonus count)."""
     return dict(token_entropy=token_entropy, per_sequence_entropy=per_sequence,
-                entropy_token_mean=canonical.token_mean(per_sequence, counts))
+                entropy_token_mean=canonical.token_mean(per_sequence, counts), per_sequence_kept_entropy=kept,
+                per_sequence_kept_tokens=kept_counts)
 
 
 @functools.lru_cache(maxsize=None)

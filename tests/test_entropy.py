@@ -44,7 +44,8 @@ def trl_loss(logits, coef, top, temperature, level):
     d = REF_LOGPS.double() - lp
     per_token = -torch.min(r * a, r.clamp(0.8, 1.2) * a) * keep.double() + 0.04 * (torch.exp(d) - d - 1)
     kept = keep.double()
-    return (per_token * md).sum() / md.sum() - coef * (ent * kept).sum() / kept.sum(), ent.detach() * md
+    loss = (per_token * md).sum() / md.sum() - coef * (ent * kept).sum() / kept.sum()
+    return loss, ent.detach() * md, ((ent.detach() * kept).sum(-1), keep.sum(-1))
 
 
 def contract(coef, top, temperature, level, **kw):
@@ -54,36 +55,35 @@ def contract(coef, top, temperature, level, **kw):
 
 
 def run(backend, coef, top, temperature, level):
-    """`(loss, gradient of the logits, token entropies or None)` of one backend."""
+    """`(loss, gradient of the logits, the result or None)` of one backend."""
     i = INPUTS
     x = i["policy_logits"].detach().clone().requires_grad_(True)
-    ent = None
+    res = None
     if backend.startswith("distributed"):
         res = DistributedGRPOLossOp(backend.split("/")[1]).apply(
             x, i["action_ids"], i["old_logps"], contract=contract(coef, top, temperature, level,
                                                                    determinism_scope="topology_invariant"),
             completion_mask=i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS, check_values="sync")
-        loss, ent = res.loss, res.token_entropy
     elif backend == "native_contract":
         res = kernel_registry.get_loss_op(contract(coef, top, temperature, level), backend="native").op.apply(
             x, i["action_ids"], i["old_logps"], contract=contract(coef, top, temperature, level),
             completion_mask=i["completion_mask"], advantages=ADV, ref_logps=REF_LOGPS)
-        loss, ent = res.loss, res.token_entropy
     elif backend.startswith("linear"):
         x = i["policy_logits"].float().detach().clone().requires_grad_(True)
         res = kernel_registry.get_op("linear_grpo_loss", backend=backend.split("/")[1])(
             x, torch.eye(V, device=DEV), i["action_ids"], i["old_logps"], None, i["completion_mask"], advantages=ADV,
             ref_logps=REF_LOGPS, beta=0.04, temperature=temperature, importance_sampling_level=level, entropy=True,
             entropy_coef=coef, top_entropy_quantile=top)
-        loss, ent = res.loss, res.token_entropy
     else:
         extra = {"check_values": "sync"} if backend == "triton" else {}
         loss = kernel_registry.get_op("grpo_loss", backend=backend)(
             x, None, i["action_ids"], i["old_logps"], None, i["completion_mask"], beta=0.04, advantages=ADV,
             ref_logps=REF_LOGPS, temperature=temperature, importance_sampling_level=level, entropy_coef=coef,
             top_entropy_quantile=top, **extra)[0]
+    if res is not None:
+        loss = res.loss
     loss.backward()
-    return loss.detach(), x.grad, ent
+    return loss.detach(), x.grad, res
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -91,13 +91,15 @@ def run(backend, coef, top, temperature, level):
                                      "linear/torch", "linear/triton"])
 def test_backends_match_trl(backend, case):
     x = INPUTS["policy_logits"].double().detach().requires_grad_(True)
-    want, want_ent = trl_loss(x, *case)
+    want, want_ent, (want_kept, want_kept_tokens) = trl_loss(x, *case)
     want.backward()
-    loss, grad, ent = run(backend, *case)
+    loss, grad, res = run(backend, *case)
     assert_close_verbose(loss, want.detach(), atol=1e-6, rtol=1e-5, what=f"{backend} loss")
     assert_close_verbose(grad, x.grad, atol=1e-7, rtol=1e-4, what=f"{backend} grad")
-    if ent is not None:
-        assert_close_verbose(ent, want_ent, atol=1e-6, rtol=1e-6, what=f"{backend} token entropies")
+    if res is not None:  # the reported entropies, and the sums and counts over the kept tokens
+        assert_close_verbose(res.token_entropy, want_ent, atol=1e-6, rtol=1e-6, what=f"{backend} token entropies")
+        assert_close_verbose(res.per_sequence_kept_entropy, want_kept, atol=1e-6, rtol=1e-6, what=f"{backend} kept")
+        assert res.per_sequence_kept_tokens.tolist() == want_kept_tokens.tolist()
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -122,7 +124,8 @@ def test_the_deterministic_kernel_sets_agree_bitwise(case):
             advantages=ADV, ref_local_logits=INPUTS["ref_logits"], check_values="sync"))
         results[-1].loss.backward()
         grads.append(x.grad)
-    for name in ("loss", "token_entropy", "per_sequence_entropy", "entropy_token_mean", "per_sequence_policy"):
+    for name in ("loss", "token_entropy", "per_sequence_entropy", "entropy_token_mean", "per_sequence_policy",
+                 "per_sequence_kept_entropy", "per_sequence_kept_tokens"):
         assert_bitwise_equal(getattr(results[0], name).detach(), getattr(results[1], name).detach(), name)
     assert_bitwise_equal(grads[0], grads[1], "gradient")
 
@@ -205,14 +208,14 @@ def test_minus_inf_logits_keep_the_gradient_finite(backend):
     x[b, t, (i["action_ids"][b, t] + 1) % V] = float("-inf")
     saved, INPUTS["policy_logits"] = INPUTS["policy_logits"], x
     try:
-        loss, grad, ent = run(backend, 0.05, 0.5, 1.0, "token")
-        want, want_ent = trl_loss(x.double(), 0.05, 0.5, 1.0, "token")
+        loss, grad, res = run(backend, 0.05, 0.5, 1.0, "token")
+        want, want_ent, _ = trl_loss(x.double(), 0.05, 0.5, 1.0, "token")
     finally:
         INPUTS["policy_logits"] = saved
     assert torch.isfinite(grad).all() and grad[b, t, (i["action_ids"][b, t] + 1) % V] == 0.0
     assert_close_verbose(loss, want, atol=1e-6, rtol=1e-5, what=f"{backend} loss")
-    if ent is not None:
-        assert_close_verbose(ent, want_ent, atol=1e-6, rtol=1e-6, what=f"{backend} token entropies")
+    if res is not None:
+        assert_close_verbose(res.token_entropy, want_ent, atol=1e-6, rtol=1e-6, what=f"{backend} token entropies")
 
 
 def test_entropy_keep_asks_for_exact_entropies_near_the_quantile_only():

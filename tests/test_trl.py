@@ -200,6 +200,10 @@ VESPO_GAMMA = dict(vespo_k_pos=0.5, vespo_lambda_pos=1.0, vespo_k_neg=6.0, vespo
 # The entropy options: a bonus, the top-entropy mask, and TRL's adaptive controller with a target above the tiny
 # model's entropy (~2.4 nats over 12 tokens), so that the bonus applies from the second step on and grows.
 ADAPTIVE = dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=3.0, entropy_coef_delta=0.1)
+# With the top-entropy mask, the controller reads the kept tokens' mean (2.464-2.479 nats in TRL's run), above the
+# mean over all tokens (2.448-2.477): at a target between them, TRL lowers the coefficient at steps 1 and 2, raises
+# it after (the bonus applies at step 4); a controller reading all tokens would raise it at step 2 already.
+ADAPTIVE_KEPT = dict(ADAPTIVE, top_entropy_quantile=0.4, entropy_target=2.4715, entropy_coef_delta=0.01)
 # The off-policy mask's threshold: 1e-3, not 0, which would sit on the rounding of the first pass over a generation
 # (TRL's log-probs and ours differ by ~1e-7 there, where an unchanged policy's mean log-ratio is 0).
 GSPO = dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
@@ -227,10 +231,11 @@ OPTIONS = {"delta": ["delta"], "use_bias_correction_kl": ["use_bias_correction_k
     ("dapo", 0.04, dict(entropy_coef=0.05)),
     ("grpo", 0.0, dict(top_entropy_quantile=0.4, entropy_coef=0.02)),
     ("dapo", 0.0, ADAPTIVE),
+    ("dapo", 0.0, ADAPTIVE_KEPT),
 ], ids=["delta", "bias_correction_kl", "grpo-delta-bias_correction_kl", "sapo_temperatures", "gspo-grpo",
         "gspo-luspo", "gspo-dapo-bias_correction_kl", "gspo-sapo", "gspo-cispo", "off_policy_mask",
         "gspo-grpo-off_policy_mask", "vespo-gamma-bias_correction_kl", "entropy_bonus", "top_entropy_quantile",
-        "adaptive_entropy"])
+        "adaptive_entropy", "adaptive_entropy-top_entropy_quantile"])
 def test_trainer_matches_trl_with_option(tiny_model, tmp_path, loss_type, beta, options):
     theirs = train(tiny_model, tmp_path / "trl", trl.GRPOTrainer, loss_type=loss_type, beta=beta, **options)
     ours = train(tiny_model, tmp_path / "ours", GRPOCoreTrainer, loss_type=loss_type, beta=beta, **options)

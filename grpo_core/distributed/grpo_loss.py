@@ -180,7 +180,7 @@ def result_stage(c: LossCall, loss: torch.Tensor, scalars: tuple, sums: torch.Te
         loss=loss, policy_loss=policy_loss, kl=kl, per_sequence_policy=sums[0], per_sequence_kl=sums[1],
         advantages=advantages_all, per_sequence_active_tokens=ints[0], clip_fraction=clip_fraction,
         mean_ratio=mean_ratio, kl_token_mean=kl_token_mean, vespo_phi=None if phi is None else c.gather(phi),
-        **({} if ent is None else entropy_fields(c.gather(ent), sums[3], ints[0])),
+        **({} if ent is None else entropy_fields(c.gather(ent), sums[3], ints[0], sums[4], ints[3])),
         provenance={**ran, "fingerprint": o.fingerprint(), "tile_width": o.logprob_contract.tile_width,
                     "tp_world_size": s.tp_world_size, "dp_world_size": s.dp_world_size,
                     "determinism_scope": o.determinism_scope.value})

@@ -58,7 +58,6 @@ from typing import Any
 
 import torch
 
-from .. import canonical
 from ..linear import linear_grpo_loss, linear_logprobs
 from ..recorder import TrainingRecorder
 from ..result import GRPOLossResult
@@ -282,7 +281,7 @@ def _grpo_core_trainer() -> type:
             if self._entropy_bonus_enabled:
                 self._metrics[mode]["policy_loss"].append(self.accelerator.gather(m["policy_loss"]).nanmean().item())
                 if self.use_adaptive_entropy and mode == "train":
-                    self._adapt_entropy_coef(m["entropy"], mask.bool())
+                    self._adapt_entropy_coef(m["kept_entropy"], m["kept_tokens"])
                 if mode == "train" and self.accelerator.sync_gradients:
                     self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
             kl, clip, phi = m["kl"], m["clip"], m["phi"]
@@ -298,12 +297,12 @@ def _grpo_core_trainer() -> type:
                 self._metrics[mode][key].append((total / n.clamp(min=1.0)).item())
             return loss
 
-        def _adapt_entropy_coef(self, entropy: torch.Tensor, mask: torch.Tensor) -> None:
-            """TRL's adaptive entropy controller: the window's entropy sum and kept-token count accumulate over the
-            micro-batches; at the optimizer step, reduced over the processes, they move the coefficient by
-            `entropy_coef_delta` toward more bonus below `entropy_target` and less above it."""
-            keep = canonical.entropy_keep(entropy, mask, self.top_entropy_quantile)
-            stats = torch.stack([(entropy * keep).sum(), keep.sum().to(entropy.dtype)]).detach()
+        def _adapt_entropy_coef(self, kept_entropy: torch.Tensor, kept_tokens: torch.Tensor) -> None:
+            """TRL's adaptive entropy controller: the window's entropy sum and count over the kept tokens (the loss's
+            per-sequence sums and counts) accumulate over the micro-batches; at the optimizer step, reduced over the
+            processes, they move the coefficient by `entropy_coef_delta` toward more bonus below `entropy_target` and
+            less above it."""
+            stats = torch.stack([kept_entropy.sum(), kept_tokens.sum().to(kept_entropy.dtype)])
             self._entropy_window_stats = stats if self._entropy_window_stats is None else (
                 self._entropy_window_stats + stats)
             if self.accelerator.sync_gradients:
@@ -377,7 +376,8 @@ def _grpo_core_trainer() -> type:
                     importance_sampling_ratio=is_ratio, micro_batch=self._step % accumulation,
                     generation=self._step // (self.args.steps_per_generation * self.num_iterations))
             return r.loss, {"kl": r.kl_token_mean, "clip": r.clip_fraction, "phi": r.vespo_phi,
-                            "entropy": r.token_entropy, "entropy_mean": r.entropy_token_mean,
+                            "entropy_mean": r.entropy_token_mean,
+                            "kept_entropy": r.per_sequence_kept_entropy, "kept_tokens": r.per_sequence_kept_tokens,
                             "policy_loss": r.policy_loss + r.kl * self.beta}
 
     GRPOCoreTrainer.__module__, GRPOCoreTrainer.__qualname__ = __name__, "GRPOCoreTrainer"

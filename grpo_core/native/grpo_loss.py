@@ -142,16 +142,16 @@ class NativeGRPOLossOp:
         is_ratio = None if is_ratio is None else canonical.given_logprobs(is_ratio, mask)
         keep = None if ent is None else canonical.entropy_keep(ent.detach(), mask, o.top_entropy)
         is_ratio, phi = canonical.importance_weights(logp, old_logps, adv, mask, is_ratio, o.off_policy, sampling_logps,
-                                                     o.gamma, keep=None if o.top_entropy == 1.0 else keep)
+                                                     o.gamma, keep=keep)
         policy_tok = canonical.clipped_surrogate(ratio, adv, mask, lo, hi, o.delta, is_ratio, o.surrogate, logp,
                                                  o.taus, sigmoid=torch.sigmoid)
         per_seq_policy, per_seq_kl, counts = (canonical.pair_sum(policy_tok), canonical.pair_sum(kl_tok),
                                               mask.sum(dim=-1))
         loss, policy_loss, kl = canonical.combine(per_seq_policy, per_seq_kl, counts, o.beta, o.normalizer,
                                                   o.constant)
+        kept = None if ent is None else (canonical.pair_sum(torch.where(keep, ent, 0.0)), keep.sum(-1))
         if ent is not None and o.entropy_coef != 0.0:
-            loss = loss - canonical.entropy_bonus(canonical.pair_sum(torch.where(keep, ent, 0.0)), keep.sum(-1),
-                                                  o.entropy_coef)[0]
+            loss = loss - canonical.entropy_bonus(*kept, o.entropy_coef)[0]
         check_loss(loss.detach())
         ratio_sums, clipped = canonical.sequence_metrics(ratio.detach(), adv, mask, lo, hi)
         clip_fraction, mean_ratio, kl_token_mean = canonical.batch_metrics(ratio_sums, per_seq_kl.detach(), clipped,
@@ -161,5 +161,5 @@ class NativeGRPOLossOp:
                               per_sequence_active_tokens=counts, clip_fraction=clip_fraction, mean_ratio=mean_ratio,
                               kl_token_mean=kl_token_mean, vespo_phi=phi,
                               **({} if ent is None else entropy_fields(ent.detach(), canonical.pair_sum(ent.detach()),
-                                                                       counts)),
+                                                                       counts, kept[0].detach(), kept[1])),
                               provenance=provenance(self.backend, policy_logits, **extra))

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .. import canonical as C
 from ..contract import AdvantageStd, Surrogate, TokenNormalizer
-from .group_norm import MODES, group_tensors
+from .group_norm import FP32_MAX_TL, MODES, group_tensors
 from .launch import SURROGATES, finish_options, pick, twins
 
 # Settings from one H200 sweep (benchmarks/README.md, 2026-11-30), bf16 32x256x32768 / 16x1024x151936: the row kernel
@@ -72,7 +72,7 @@ _Q3, _Q4 = tl.constexpr(C.EXP_Q[3]), tl.constexpr(C.EXP_Q[4])
 _L0, _L1, _L2 = tl.constexpr(C.LOG_Q[0]), tl.constexpr(C.LOG_Q[1]), tl.constexpr(C.LOG_Q[2])
 _EXP_MIN, _EXP_MAX, _TINY = tl.constexpr(C.EXP_MIN), tl.constexpr(C.EXP_MAX), tl.constexpr(C.TINY)
 _EXP_NONZERO = tl.constexpr(C.EXP_NONZERO)
-_SQRT_HALF_BITS, _FP32_MAX = tl.constexpr(C.SQRT_HALF_BITS), tl.constexpr(C.FP32_MAX)
+_SQRT_HALF_BITS = tl.constexpr(C.SQRT_HALF_BITS)
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # The interpreter truncates fp32 -> bf16 (the GPU and torch round to nearest even): round with integer ops there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -672,7 +672,7 @@ def _advantages_kernel(
     if STD != 2:
         dev = tl.where(valid, centered, 0.0)
         var = tl.math.div_rn(_pair_sum(dev * dev, P2, LOG2P), n if STD == 0 else n - 1.0)
-        var = tl.where(var <= _FP32_MAX, var, float("nan"))
+        var = tl.where(var <= FP32_MAX_TL, var, float("nan"))
         sd = tl.where(var < _TINY, 0.0, tl.math.sqrt_rn(var))  # `canonical.sqrt`: correctly rounded
         centered = tl.math.div_rn(centered, sd + eps if STD == 3 else _max(sd, floor))
     tl.store(adv_ptr + lo + i, centered, mask=valid)
@@ -734,7 +734,7 @@ def _finish_kernel(
     tl.store(out_ptr + 3, tl.math.div_rn(tl.sum(clipped, 0).to(tl.float32), n_tokens))
     tl.store(out_ptr + 4, tl.math.div_rn(_pair_sum(ratios, CHUNKS, LOG2C), n_tokens))
     tl.store(out_ptr + 5, tl.math.div_rn(_pair_sum(kl_sums, CHUNKS, LOG2C), n_tokens))
-    loss_bad = tl.where(tl.abs(loss) <= _FP32_MAX, 0, 1).to(tl.int64)  # a NaN compares false: flagged too
+    loss_bad = tl.where(tl.abs(loss) <= FP32_MAX_TL, 0, 1).to(tl.int64)  # a NaN compares false: flagged too
     tl.store(flag_ptr, tl.maximum(tl.max(bad, 0), loss_bad))
     for c in range(0, tl.cdiv(S, BLOCK)):
         i = c * BLOCK + tl.arange(0, BLOCK)

@@ -13,7 +13,7 @@ from ..canonical import STD_EPS, STD_FLOOR
 from ..contract import FP32_MAX, AdvantageStd
 
 BLOCK = 1024
-_FP32_MAX = tl.constexpr(FP32_MAX)  # a kernel reads a global only as a constexpr (the interpreter reads any)
+FP32_MAX_TL = tl.constexpr(FP32_MAX)  # the kernels' FP32_MAX: a kernel reads a global only as a constexpr
 MODES = {AdvantageStd.POPULATION: 0, AdvantageStd.UNBIASED: 1, AdvantageStd.NONE: 2, AdvantageStd.UNBIASED_EPS: 3}
 
 
@@ -44,7 +44,7 @@ def group_stats(r_ptr, lo, hi, floor, eps, MODE: tl.constexpr, BLOCK: tl.constex
             scale = 1.0 / (tl.sqrt(var) + eps)
         else:
             scale = 1.0 / tl.maximum(tl.sqrt(var), floor)
-        scale = tl.where(var <= _FP32_MAX, scale, float("nan"))  # an overflow is not a std of inf (scale 0)
+        scale = tl.where(var <= FP32_MAX_TL, scale, float("nan"))  # an overflow is not a std of inf (scale 0)
     return mean, scale, tl.max(bad, 0)
 
 

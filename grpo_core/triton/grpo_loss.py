@@ -40,16 +40,15 @@ from torch.library import triton_op, wrap_triton
 from .. import canonical, pending
 from ..canonical import STD_EPS, STD_FLOOR
 from ..checks import loss_options
-from ..contract import (DEFAULT_VOCAB_TILE, FP32_MAX, AdvantageStd, LossContractError, Surrogate, TokenNormalizer,
+from ..contract import (DEFAULT_VOCAB_TILE, AdvantageStd, LossContractError, Surrogate, TokenNormalizer,
                         inverse_temperature)
 from .canonical import exp_of, merge_lse, row_stats
-from .group_norm import MODES, group_stats, group_tensors
+from .group_norm import FP32_MAX_TL, MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
 from .launch import SURROGATES, finish_options, pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
-_FP32_MAX = tl.constexpr(FP32_MAX)  # a kernel reads a global only as a constexpr
 
 
 @triton.jit
@@ -227,7 +226,7 @@ def _finish_kernel(
         tl.store(scalars_ptr, loss)
         tl.store(scalars_ptr + 1, policy_loss)
         tl.store(scalars_ptr + 2, kl)
-        bad = tl.maximum(bad, tl.where(tl.abs(loss) <= _FP32_MAX, 0, 1))  # a NaN compares false: flagged too
+        bad = tl.maximum(bad, tl.where(tl.abs(loss) <= FP32_MAX_TL, 0, 1))  # a NaN compares false: flagged too
     tl.store(flags_ptr, bad)
 
 
@@ -522,7 +521,7 @@ class TritonGRPOLossOp:
                     keep = canonical.entropy_keep(ent, o.mask, o.top_entropy, exact, ONLINE_ENTROPY_SLACK)
                 return canonical.importance_weights(logp, old.view(B, T), adv, o.mask, is_ratio, o.off_policy,
                                                     None if sampling is None else sampling.view(B, T), o.gamma,
-                                                    exp_of, None if o.top_entropy == 1.0 else keep)[0]
+                                                    exp_of, keep)[0]
             out, adv, weight, scalars, flags, grad, is_ratio = _forward(
                 lambda k: k, x, *args, sequence=o.sequence_level, sampling=sampling,
                 weigh=weigh if weighed else None, entropy=o.entropy)
