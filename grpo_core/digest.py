@@ -51,6 +51,9 @@ def row_digests(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if x.element_size() not in (2, 4, 8):
         raise LossContractError(f"x: expected a dtype of 2, 4 or 8 bytes, got {x.dtype}")
     dev = x.device
+    out = torch.zeros((B, LANES), dtype=torch.int64, device=dev)
+    if B * T == 0:  # no row (a rank without sequences): every digest is that of no rows
+        return out
     words = x.detach().reshape(B * T, -1).contiguous().view(torch.int16)
     if words.shape[1] >= _MAX_WORDS:
         raise LossContractError(f"x: expected fewer than {_MAX_WORDS} 16-bit words a row, got {words.shape[1]}")
@@ -59,7 +62,6 @@ def row_digests(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     ordinal = (mask.cumsum(1) - 1).clamp(min=0).reshape(-1)  # a row's place among its sequence's active rows
     row_w = torch.where(mask.reshape(-1, 1), _weights(T, 2, PRIME, dev).T[ordinal], 0)  # 0 on padding rows
     seq = torch.arange(B, device=dev).repeat_interleave(T)
-    out = torch.zeros((B, LANES), dtype=torch.int64, device=dev)
     step = max(1, _CHUNK // max(words.shape[1], 1))
     for lo in range(0, B * T, step):
         # an fp64 matmul of integers: every product < 2**30 and every partial sum < 2**53 is exact, in any order

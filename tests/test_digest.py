@@ -94,6 +94,8 @@ def test_padding_and_position_never_enter_and_order_does():
     assert (row_digests(z, mask)[0] != base[0]).all()
     zero = torch.zeros(1, 1, 4)
     assert (row_digests(-zero, torch.ones(1, 1)) != row_digests(zero, torch.ones(1, 1))).all()  # -0.0 is not +0.0
+    for b, t in ((0, 5), (2, 0)):  # no row at all (a rank without sequences): the digests of no rows
+        assert torch.equal(row_digests(torch.zeros(b, t, 7), torch.ones(b, t)), torch.zeros(b, 4, dtype=torch.int64))
 
 
 def test_row_digests_refuse_what_they_cannot_read():
