@@ -12,9 +12,10 @@ the same with GSPO's `importance_sampling_level="sequence"` (ours computes the l
 matmuls). `linear_entropy`: with the token entropies (`entropy=True`, a third row statistic), as `GRPOCoreTrainer`
 runs it. `trl_head`: TRL 1.16's default path when `trl` imports, what `GRPOTrainer` runs: its fused LM head
 (`add_fused_lm_head`'s `_ChunkedLogProbFunction` on the active rows, `outputs=("log_probs", "entropy")`, tiles of
-`_CHUNKED_LOGPROB_CHUNK_SIZE` columns), then its token loss (dapo, the clipped surrogate and the k3 KL, as
-`_compute_loss` with its defaults: epsilon 0.2 both sides). The log-prob forward: ours (`logprobs`, `linear_logprobs`) and TRL's head without gradients
-(`trl_logprobs`, `outputs=("log_probs",)`, as for the old and reference log-probs).
+`_CHUNKED_LOGPROB_CHUNK_SIZE` columns), then its token loss as `_compute_loss` (dapo, epsilon 0.2 both sides, the
+k3 KL without `use_bias_correction_kl`, as ours runs here; TRL's metrics and their host syncs left out). The
+log-prob forward: ours (`logprobs`, `linear_logprobs`) and TRL's head without gradients (`trl_logprobs`,
+`outputs=("log_probs",)`: TRL's reference forward; its old log-probs come with the entropies too).
 Peak memory is the peak allocated over what was allocated before the call, gradients included.
 """
 

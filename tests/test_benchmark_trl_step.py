@@ -1,5 +1,6 @@
 """`benchmarks/benchmark_trl_step.py --tiny` end to end on the CPU: both trainers train 4 steps of a 2-layer Qwen2 on
-the same completions, and every step's row holds its timings, its logged values and the provenance."""
+the same completions, and every step's row holds its timings, its logged values and the provenance. And
+`benchmarks/benchmark_recorder.py --tiny` on the CPU: every region timed."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def test_tiny_run(tmp_path):
     trl, ours = (rows[rows["trainer"] == t].reset_index(drop=True) for t in ("trl", "ours"))
     assert trl["reward"].equals(ours["reward"])  # the same completions (NaN where no generation, in both)
     assert ((trl["loss"] - ours["loss"]).abs() < 1e-3).all() and (trl["loss"].abs() > 1e-2).any()
+
+
+def test_recorder_benchmark_tiny(tmp_path):
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_recorder.py"), "--device", "cpu",
+                           "--tiny", "--steps", "4"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    values = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms (medians)").split(", "))
+    assert set(values) == {"op", "bwd", "record_host", "record", "bwd_recorded", "flush"}
+    assert all(float(v) > 0 for v in values.values())

@@ -1,0 +1,104 @@
+"""The recorder's cost at a trainer's micro-batch: `TrainingRecorder.record` after the fused linear loss, the gradient
+hook it adds to the backward, and `flush` (the step's Parquet file), against the loss op and the backward without it.
+
+    python benchmarks/benchmark_recorder.py    # Qwen2.5-0.5B's micro-batch: 8 x 512 tokens, H 896, V 151936
+    python benchmarks/benchmark_recorder.py --device cpu --tiny
+
+Each step runs the loss twice, once without the recorder (`op`, `bwd`) and once with it (`record`, `bwd_recorded`),
+then `flush` writes the step (one recorded call), each region between device synchronizations; `record_host` is
+`record`'s return without a synchronization. Medians over the steps after the first two, in ms; `--profile` adds
+torch.profiler's table of one recorded call and its backward."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from grpo_core.linear import linear_grpo_loss
+from grpo_core.recorder import TrainingRecorder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="2 x 16 tokens, H 32, V 100")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    B, T, H, V, P = (2, 16, 32, 100, 4) if args.tiny else (8, 512, 896, 151936, 128)
+    dev = torch.device(args.device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # bf16: TRL's default on the GPU
+    weight = (torch.randn(V, H, device=dev, generator=g) * H**-0.5).to(dtype).requires_grad_(True)
+    ids, prompt = (torch.randint(0, V, (B, n), device=dev, generator=g) for n in (T, P))
+    mask = torch.ones(B, T, dtype=torch.long, device=dev)
+    old, ref = (-torch.rand(B, T, device=dev, generator=g) - 11 for _ in range(2))
+    adv = torch.randn(B, device=dev, generator=g)
+    rec = TrainingRecorder(tempfile.mkdtemp(), rank=0)
+
+    def loss(h):
+        return linear_grpo_loss(h, weight, ids, old, None, mask, advantages=adv, ref_logps=ref, beta=0.04,
+                                entropy=True)
+
+    def record(r, h, step, micro_batch):
+        rec.record(r, step=step, input=h, completion_ids=ids, completion_mask=mask, prompt_ids=prompt,
+                   old_logps=old, ref_logps=ref, micro_batch=micro_batch)
+
+    ms = {k: [] for k in ("op", "bwd", "record_host", "record", "bwd_recorded", "flush")}
+    for step in range(1, args.steps + 1):
+        for micro_batch, recorded in enumerate((False, True)):
+            h = torch.randn(B, T, H, device=dev, generator=g).to(dtype).requires_grad_(True)
+            sync()
+            t0 = time.perf_counter()
+            r = loss(h)
+            sync()
+            t1 = time.perf_counter()
+            if recorded:
+                record(r, h, step, micro_batch)
+                t_host = time.perf_counter()
+                sync()
+                t2 = time.perf_counter()
+            t3 = time.perf_counter()
+            r.loss.backward()
+            sync()
+            t4 = time.perf_counter()
+            if step > 2:
+                ms["bwd_recorded" if recorded else "bwd"].append(t4 - t3)
+                if recorded:
+                    ms["record_host"].append(t_host - t1)
+                    ms["record"].append(t2 - t1)
+                else:
+                    ms["op"].append(t1 - t0)
+            weight.grad = None
+        t5 = time.perf_counter()
+        rec.flush()
+        if step > 2:
+            ms["flush"].append(time.perf_counter() - t5)
+    med = {k: statistics.median(v) * 1e3 for k, v in ms.items()}
+    print(f"{B} x {T} tokens, H {H}, V {V}, {dtype}, {dev}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items())
+          + " ms (medians)")
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        h = torch.randn(B, T, H, device=dev, generator=g).to(dtype).requires_grad_(True)
+        r = loss(h)
+        sync()
+        with torch.profiler.profile(activities=activities) as prof:
+            record(r, h, args.steps + 1, 0)
+            r.loss.backward()
+            sync()
+        key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main()
