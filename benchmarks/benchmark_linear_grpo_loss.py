@@ -93,14 +93,11 @@ def backends(beta: float) -> dict:
                       loss_type="dapo")[0]
         return run
 
-    try:
-        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, _ChunkedLogProbFunction
-
-        def trl_head(i, h, w):
+    head = trl_head(("log_probs", "entropy"))
+    if head is not None:
+        def trl_loss(i, h, w):
             m = i["mask"]
-            logp, ent = _ChunkedLogProbFunction.apply(h[m], w, None, i["ids"][m], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
-                                                      None, 1.0, ("log_probs", "entropy"))[:2]
-            logp = logp.new_zeros(m.shape).masked_scatter(m, logp)
+            logp, ent = head(i, h, w)
             ent.detach().sum()  # the logged entropy
             ratio = torch.exp(logp - i["old"])
             adv = i["adv"][:, None]
@@ -109,9 +106,7 @@ def backends(beta: float) -> dict:
                 d = i["ref"] - logp
                 per_token = per_token + beta * (torch.exp(d) - d - 1)
             return (per_token * m).sum() / m.sum().clamp(min=1.0)
-        out["trl_head"] = trl_head
-    except ImportError:
-        pass
+        out["trl_head"] = trl_loss
     out["matmul_then_triton"] = materialized(triton_op)
     out["native"] = materialized(native)
     try:
@@ -127,22 +122,32 @@ def backends(beta: float) -> dict:
     return out
 
 
-def logprob_backends() -> dict:
-    """The log-prob forwards (no gradients): ours and, when `trl` imports, TRL's head as it runs for the old and
-    reference log-probs."""
-    out = {"logprobs": lambda i, h, w: linear_logprobs(h, w, i["ids"], i["mask"])}
+def trl_head(outputs: tuple[str, ...]):
+    """TRL 1.16's fused LM head as `add_fused_lm_head` runs it: `_ChunkedLogProbFunction` on the active rows, its
+    `outputs` scattered back to `[B, T]` (log-probs, entropies or None); None when `trl` does not import."""
     try:
         from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, _ChunkedLogProbFunction
-
-        def trl_logprobs(i, h, w):
-            m = i["mask"]
-            with torch.no_grad():
-                logp = _ChunkedLogProbFunction.apply(h[m], w, None, i["ids"][m], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
-                                                     None, 1.0, ("log_probs",))[0]
-                return logp.new_zeros(m.shape).masked_scatter(m, logp)
-        out["trl_logprobs"] = trl_logprobs
     except ImportError:
-        pass
+        return None
+
+    def run(i, h, w):
+        m = i["mask"]
+        per_token = _ChunkedLogProbFunction.apply(h[m], w, None, i["ids"][m], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+                                                  None, 1.0, outputs)[:2]
+        return [None if x is None else x.new_zeros(m.shape).masked_scatter(m, x) for x in per_token]
+    return run
+
+
+def logprob_backends() -> dict:
+    """The log-prob forwards (no gradients): ours and, when `trl` imports, TRL's head as it runs for the reference
+    log-probs."""
+    out = {"logprobs": lambda i, h, w: linear_logprobs(h, w, i["ids"], i["mask"])}
+    head = trl_head(("log_probs",))
+    if head is not None:
+        def trl_logprobs(i, h, w):
+            with torch.no_grad():
+                return head(i, h, w)[0]
+        out["trl_logprobs"] = trl_logprobs
     return out
 
 
