@@ -50,10 +50,15 @@ def main(model_dir: str, out_dir: str, record_dir: str, per_device: int) -> None
     torch.set_num_threads(1)
     trainer = make_trainer(model_dir, out_dir, lambda **kw: CannedTrainer(record_dir=record_dir, **kw),
                            loss_type="grpo", beta=0.04, per_device_train_batch_size=per_device)
-    trainer.train()
-    if torch.distributed.is_initialized():  # a clean end: gloo's threads stopped before the interpreter exits
+    trainer.train()  # the recorder's files are written when it returns
+    if torch.distributed.is_initialized():
+        # Every rank done, then out without tearing gloo down: `destroy_process_group` joins gloo's loop thread
+        # holding the GIL, and that thread can be freeing a finished collective's tensors, which needs the GIL (a
+        # deadlock seen on a loaded 2-core machine); the interpreter's own exit with gloo's threads alive can crash.
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
