@@ -17,14 +17,19 @@ pd = pytest.importorskip("pandas")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_benchmark(script: str, cwd: Path, *args: str) -> str:
+    """Runs `benchmarks/<script>` with `args` in `cwd` on one thread; its stdout (asserts exit code 0)."""
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # the caller's packages too
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_tiny_run(tmp_path):
     out = tmp_path / "trl_step.parquet"
-    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # the caller's packages too
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_trl_step.py"), "--tiny",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| tiny | trl vs ours | loss |" in proc.stdout and "| NO |" not in proc.stdout
+    stdout = run_benchmark("benchmark_trl_step.py", tmp_path, "--tiny", "--out", str(out))
+    assert "| tiny | trl vs ours | loss |" in stdout and "| NO |" not in stdout
     rows = pd.read_parquet(out)
     assert len(rows) == 8 and list(rows["trainer"]) == ["trl"] * 4 + ["ours"] * 4
     assert {"device", "torch", "trl", "transformers", "git_commit", "deterministic", "tf32_matmul"} <= set(rows)
@@ -39,12 +44,8 @@ def test_tiny_run(tmp_path):
 
 
 def test_recorder_benchmark_tiny(tmp_path):
-    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_recorder.py"), "--device", "cpu",
-                           "--tiny", "--steps", "4"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = proc.stdout.strip().splitlines()[-1]
+    line = run_benchmark("benchmark_recorder.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "4"
+                         ).strip().splitlines()[-1]
     values = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms (medians)").split(", "))
     assert set(values) == {"op", "bwd", "record_host", "record", "bwd_recorded", "flush"}
     assert all(float(v) > 0 for v in values.values())
