@@ -1,13 +1,15 @@
 """The recorder's cost at a trainer's micro-batch: `TrainingRecorder.record` after the fused linear loss, the gradient
-hook it adds to the backward, and `flush` (the step's Parquet file), against the loss op and the backward without it.
+hook it adds to the backward, and the step's `flush` as the trainer calls it (`wait=False`: the copy off the device
+queued, the Parquet file written by a background thread), against the loss op and the backward without it.
 
     python benchmarks/benchmark_recorder.py    # Qwen2.5-0.5B's micro-batch: 8 x 512 tokens, H 896, V 151936
     python benchmarks/benchmark_recorder.py --device cpu --tiny
 
 Each step runs the loss twice, once without the recorder (`op`, `bwd`) and once with it (`record`, `bwd_recorded`),
-then `flush` writes the step (one recorded call), each region between device synchronizations; `record_host` is
-`record`'s return without a synchronization. Medians over the steps after the first two, in ms; `--profile` adds
-torch.profiler's table of one recorded call and its backward."""
+each region between device synchronizations; `record_host` is `record`'s return without one. Then `flush` hands the
+step (one recorded call) to the writer without one, and `write` is the time until its file is written (the background
+thread's, off the step's path). Medians over the steps after the first two, in ms; `--profile` adds torch.profiler's
+table of one recorded call and its backward."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def main() -> None:
         rec.record(r, step=step, input=h, completion_ids=ids, completion_mask=mask, prompt_ids=prompt,
                    old_logps=old, ref_logps=ref, micro_batch=micro_batch)
 
-    ms = {k: [] for k in ("op", "bwd", "record_host", "record", "bwd_recorded", "flush")}
+    ms = {k: [] for k in ("op", "bwd", "record_host", "record", "bwd_recorded", "flush", "write")}
     for step in range(1, args.steps + 1):
         for micro_batch, recorded in enumerate((False, True)):
             h = torch.randn(B, T, H, device=dev, generator=g).to(dtype).requires_grad_(True)
@@ -80,9 +82,12 @@ def main() -> None:
                     ms["op"].append(t1 - t0)
             weight.grad = None
         t5 = time.perf_counter()
-        rec.flush()
+        rec.flush(wait=False)
+        t6 = time.perf_counter()
+        rec.flush()  # nothing left to hand off: waits for the background write
         if step > 2:
-            ms["flush"].append(time.perf_counter() - t5)
+            ms["flush"].append(t6 - t5)
+            ms["write"].append(time.perf_counter() - t5)
     med = {k: statistics.median(v) * 1e3 for k, v in ms.items()}
     print(f"{B} x {T} tokens, H {H}, V {V}, {dtype}, {dev}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items())
           + " ms (medians)")

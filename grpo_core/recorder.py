@@ -34,13 +34,14 @@ import hashlib
 import json
 import os
 import platform
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .contract import MATH_VERSION
-from .digest import mantissas, row_digests
+from .digest import RowDigests, mantissas
 from .result import GRPOLossResult
 
 __all__ = ["TrainingRecorder", "sequence_keys"]
@@ -92,6 +93,55 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
 
 
+class _HostCopy:
+    """Tensors copied to the host: those on `device` in one transfer (a CUDA device's into pinned memory, queued
+    without a host synchronization; `tensors()` waits for it), any other one copied alone."""
+
+    def __init__(self, tensors: list[torch.Tensor], device: torch.device):
+        self.specs = [(t.dtype, t.shape) for t in tensors]
+        self.here = sorted((i for i, t in enumerate(tensors) if t.device == device),
+                           key=lambda i: -tensors[i].element_size())  # the widest first: every piece stays aligned
+        self.elsewhere = {i: t.detach().to("cpu", copy=True) for i, t in enumerate(tensors) if t.device != device}
+        flat = torch.cat([tensors[i].detach().reshape(-1).view(torch.uint8) for i in self.here] or
+                         [torch.empty(0, dtype=torch.uint8, device=device)])  # a copy: later writes do not reach it
+        self.ready = None
+        if device.type == "cuda":
+            self.flat = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
+            self.flat.copy_(flat, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.flat = flat.cpu()
+
+    def tensors(self) -> list[torch.Tensor]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        out, offset = dict(self.elsewhere), 0
+        for i in self.here:
+            dtype, shape = self.specs[i]
+            size = shape.numel() * dtype.itemsize
+            out[i] = self.flat[offset:offset + size].view(dtype).view(shape)
+            offset += size
+        return [out[i] for i in range(len(self.specs))]
+
+
+def _leaves(x: Any) -> list[torch.Tensor]:
+    """The tensors of a nest of tuples, lists and dicts, in order (None holds none)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return [t for v in items for t in _leaves(v)]
+
+
+def _rebuild(x: Any, tensors: Any) -> Any:
+    """`x` with its tensors replaced, in order, by the next ones of the iterator `tensors`."""
+    if isinstance(x, torch.Tensor):
+        return next(tensors)
+    if isinstance(x, dict):
+        return {k: _rebuild(v, tensors) for k, v in x.items()}
+    return type(x)(_rebuild(v, tensors) for v in x) if isinstance(x, (tuple, list)) else x
+
+
 class TrainingRecorder:
     """Appends every loss call of a training run to `record_dir` (see the module docstring). `rank`: this process's
     data-parallel rank (with tensor parallelism, record on TP rank 0 alone: its peers hold the same numbers);
@@ -114,6 +164,10 @@ class TrainingRecorder:
         self._written: int | None = None  # the last step written: never written again
         self._calls: list[dict[str, Any]] = []
         self._provenance: dict[str, Any] | None = None
+        self._device = torch.device("cpu")  # where the recorded tensors live: the first call's input's device
+        # one background thread writes the steps handed off (it ends with the recorder; a pending write ends first)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-core-recorder")
+        self._writing: Future | None = None  # the write of the last step handed off
 
     def record(self, result: GRPOLossResult, *, step: int, input: torch.Tensor, completion_ids: torch.Tensor,
                completion_mask: torch.Tensor, prompt_ids: torch.Tensor | None = None,
@@ -159,8 +213,12 @@ class TrainingRecorder:
             raise ValueError(f"sequences: expected (lo, hi) with hi - lo = {B} sequences of completion_ids and "
                              f"0 <= lo <= hi <= {n} (the result's sequences), got {sequences!r}")
         if step != self._step:
-            self.flush()
+            self.flush(wait=False)
             self._step = step
+        rows = RowDigests(mask, input.device)
+        token_advantages = result.advantages[lo:hi] if result.advantages.dim() == 2 else None
+        given = [t.detach().float().expand(B, T) for t in
+                 (old_logps, ref_logps, importance_sampling_ratio, token_advantages) if t is not None]
         call: dict[str, Any] = {
             "micro_batch": micro_batch, "generation": generation,
             "keys": (completion_ids.detach(), mask, None if prompt_ids is None else prompt_ids.detach(),
@@ -168,66 +226,85 @@ class TrainingRecorder:
             "scalars": torch.stack([result.loss.detach(), result.policy_loss, result.kl]).float(),
             "vectors": {f: getattr(result, f)[lo:hi].detach() for f in SEQUENCE_FIELDS
                         if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
-            "input_digest": row_digests(input, mask)}
-        token_advantages = result.advantages[lo:hi] if result.advantages.dim() == 2 else None
-        given = [t.detach().float().unsqueeze(-1).expand(B, T, 1) for t in
-                 (old_logps, ref_logps, importance_sampling_ratio, token_advantages) if t is not None]
-        if given:
-            call["logps_digest"] = row_digests(torch.cat(given, -1), mask)
+            "input_digest": rows(input)[0],
+            "logps_digest": rows(torch.stack(given, -1))[0] if given else None}
         if self._provenance is None:
-            self._provenance = _provenance(input.device)
+            self._device, self._provenance = input.device, _provenance(input.device)
         if input.requires_grad and torch.is_grad_enabled():
             def hook(grad: torch.Tensor) -> None:
-                call["grad_digest"] = row_digests(grad, mask)
-                call["grad_mantissa_digest"] = row_digests(mantissas(grad), mask)
+                call["grad_digest"], call["grad_mantissa_digest"] = rows(grad, mantissas(grad))
                 handle.remove()  # this call's backward only: an input used again gets its next call's hook
 
             handle = input.register_hook(hook)
         self._calls.append(call)
 
-    def flush(self) -> Path | None:
-        """Writes the calls of the current step to its file (nothing when there is none); returns the file."""
+    def flush(self, *, wait: bool = True) -> Path | None:
+        """Writes the calls of the current step to its file (nothing when there is none); returns the file.
+        `wait=False` (the trainer's and a new step's first `record`'s): the step's numbers leave the device in one copy
+        without a host synchronization and a background thread writes the file; the next `flush` or `close` waits for
+        it and raises its error."""
+        self._join()
         if not self._calls:
             return None
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        rows = []
-        for call in self._calls:
-            keys = sequence_keys(*call["keys"])
-            common = dict(generation=call["generation"], micro_batch=call["micro_batch"], rank=self.rank)
-            scalars = call["scalars"].cpu()
-            name = f"rank{self.rank}/micro-batch{call['micro_batch']}"
-            for f, v in zip(SCALAR_FIELDS, scalars):
-                rows.append(dict(sequence=name, field=f, value=v.item(), bits=v.view(torch.int32).item(), digest=None,
-                                 **common))
-            for f, t in call["vectors"].items():
-                t = t.cpu()
-                bits = t.tolist() if f == "per_sequence_active_tokens" else t.view(torch.int32).tolist()
-                rows += [dict(sequence=k, field=f, value=float(v), bits=int(b), digest=None, **common)
-                         for k, v, b in zip(keys, t.tolist(), bits)]
-            for f in DIGEST_FIELDS:
-                if call.get(f) is not None:
-                    rows += [dict(sequence=k, field=f, value=None, bits=None, digest=d, **common)
-                             for k, d in zip(keys, _hex(call[f].cpu()))]
-        table = pa.Table.from_pylist([{**r, "step": self._step, "order": i} for i, r in enumerate(rows)],
-                                     schema=schema())
-        meta = {"kind": "training", "rank": self.rank, "metadata": self.metadata, "provenance": self._provenance,
-                "grpo_core_version": _version()}
-        table = table.replace_schema_metadata({b"grpo_core": json.dumps(meta, sort_keys=True).encode()})
         path = self.dir / f"step-{self._step:07d}.parquet"
         if path.exists():
             raise ValueError(f"record_dir: expected no other recorder of rank {self.rank} in {self.dir.parent} (a "
                              f"recorded step is never replaced), got {path}, written by another one")
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-        self._calls, self._written = [], self._step
+        calls, step, self._calls, self._written = self._calls, self._step, [], self._step
+        parts = [(c["keys"], c["scalars"], c["vectors"], [c.get(f) for f in DIGEST_FIELDS]) for c in calls]
+        host = _HostCopy(_leaves(parts), self._device)
+        meta = {"kind": "training", "rank": self.rank, "metadata": self.metadata, "provenance": self._provenance,
+                "grpo_core_version": _version()}
+        args = (path, step, [(c["micro_batch"], c["generation"]) for c in calls], parts, host, meta)
+        if wait:
+            self._write(*args)
+        else:
+            self._writing = self._writer.submit(self._write, *args)
         return path
 
     def close(self) -> None:
-        """Writes what is left (call it after the last backward)."""
+        """Writes what is left and waits for the file (call it after the last backward)."""
         self.flush()
+
+    def _join(self) -> None:
+        """Waits for the background write of the last step handed off, and raises its error."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def _write(self, path: Path, step: int, calls: list[tuple[int, int]], parts: list, host: _HostCopy,
+               meta: dict[str, Any]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        cols: dict[str, list] = {k: [] for k in ("sequence", "field", "value", "bits", "digest", "generation",
+                                                 "micro_batch")}
+
+        def add(seqs: list[str], field: str, value: list, bits: list, digest: list, call: tuple[int, int]) -> None:
+            for k, v in zip(("sequence", "value", "bits", "digest"), (seqs, value, bits, digest)):
+                cols[k] += v
+            cols["field"] += [field] * len(seqs)
+            cols["micro_batch"] += [call[0]] * len(seqs)
+            cols["generation"] += [call[1]] * len(seqs)
+
+        for call, (keys, scalars, vectors, digests) in zip(calls, _rebuild(parts, iter(host.tensors()))):
+            seqs, none = sequence_keys(*keys), [None] * len(keys[0])
+            for f, v in zip(SCALAR_FIELDS, scalars):
+                add([f"rank{self.rank}/micro-batch{call[0]}"], f, [v.item()], [v.view(torch.int32).item()], [None],
+                    call)
+            for f, t in vectors.items():
+                bits = t if f == "per_sequence_active_tokens" else t.view(torch.int32)
+                add(seqs, f, [float(v) for v in t.tolist()], bits.tolist(), none, call)
+            for f, d in zip(DIGEST_FIELDS, digests):
+                if d is not None:
+                    add(seqs, f, none, none, _hex(d), call)
+        n = len(cols["sequence"])
+        table = pa.Table.from_pydict({"step": [step] * n, **cols, "rank": [self.rank] * n, "order": list(range(n))},
+                                     schema=schema())
+        table = table.replace_schema_metadata({b"grpo_core": json.dumps(meta, sort_keys=True).encode()})
+        tmp = path.with_suffix(".parquet.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
 
 
 def schema():

@@ -47,5 +47,5 @@ def test_recorder_benchmark_tiny(tmp_path):
     line = run_benchmark("benchmark_recorder.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "4"
                          ).strip().splitlines()[-1]
     values = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms (medians)").split(", "))
-    assert set(values) == {"op", "bwd", "record_host", "record", "bwd_recorded", "flush"}
+    assert set(values) == {"op", "bwd", "record_host", "record", "bwd_recorded", "flush", "write"}
     assert all(float(v) > 0 for v in values.values())

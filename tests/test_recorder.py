@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -19,6 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import DEVICES
+from grpo_core.digest import mantissas, row_digests
 from grpo_core.linear import LinearGRPOLossOp, linear_grpo_loss
 from grpo_core.recorder import TrainingRecorder, sequence_keys
 from harness.record import TableError
@@ -397,14 +400,78 @@ def test_an_input_tensor_used_at_every_step_is_digested_once_a_backward(tmp_path
     b = _batch(0)
     h = b["hidden"].clone().requires_grad_(True)
     rec = TrainingRecorder(tmp_path / "r")
-    with mock.patch.object(recorder, "row_digests", wraps=recorder.row_digests) as digests:
+    digested = []
+    call = recorder.RowDigests.__call__
+    with mock.patch.object(recorder.RowDigests, "__call__", lambda self, *xs: digested.extend(xs) or call(self, *xs)):
         for step in range(1, 5):
             res = linear_grpo_loss(h, b["weight"], b["ids"], b["old"], None, completion_mask=b["mask"],
                                    advantages=b["rewards"], beta=0.0, kernels="torch")
-            digests.reset_mock()
+            digested.clear()
             rec.record(res, step=step, input=h, completion_ids=b["ids"], completion_mask=b["mask"])
             res.loss.backward()
-            assert digests.call_count == 3  # the input, the gradient, the gradient's mantissas
+            assert len(digested) == 3  # the input, the gradient, the gradient's mantissas
     rec.close()
     df, _ = read_training_run(tmp_path / "r")
     assert df.groupby("step")["field"].apply(lambda f: (f == "grad_digest").sum()).tolist() == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_file_holds_the_bits_the_device_gave_however_it_was_written(tmp_path, device):
+    """Step 1 is written in the background (step 2's first record hands it off), step 2 at `close`; on a GPU the
+    numbers leave the device in one copy into pinned memory, the prompt ids (kept on the host) apart. Every value's
+    bits, every digest and every key in the files are those of the tensors the loss and its backward gave."""
+    rec, want = TrainingRecorder(tmp_path / "r"), {}
+    for step in (1, 2):
+        b = _batch(step)
+        for m, s in enumerate((slice(0, 5), slice(5, 8))):
+            h = b["hidden"][s].to(device).requires_grad_(True)
+            dev = {k: b[k][s].to(device) for k in ("ids", "old", "mask", "rewards")}
+            res = linear_grpo_loss(h, b["weight"].to(device), dev["ids"], dev["old"], None,
+                                   completion_mask=dev["mask"], advantages=dev["rewards"], beta=0.0, kernels="torch")
+            rec.record(res, step=step, input=h, completion_ids=dev["ids"], completion_mask=dev["mask"],
+                       prompt_ids=b["prompt"][s], old_logps=dev["old"], micro_batch=m)
+            res.loss.backward()
+            keys = sequence_keys(b["ids"][s], b["mask"][s], b["prompt"][s])
+            digests = {"input_digest": h.detach().cpu(), "grad_digest": h.grad.cpu(),
+                       "grad_mantissa_digest": mantissas(h.grad.cpu()), "logps_digest": b["old"][s][..., None]}
+            for f, x in digests.items():
+                want.update({(step, k, f): "".join(f"{v:08x}" for v in d)
+                             for k, d in zip(keys, row_digests(x, b["mask"][s]).tolist())})
+            for f in ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens"):
+                t = getattr(res, f).cpu()
+                want.update({(step, k, f): v for k, v in zip(keys, (t if t.dtype == torch.int64 else
+                                                                    t.view(torch.int32)).tolist())})
+            for f in ("loss", "policy_loss", "kl"):
+                want[(step, f"rank0/micro-batch{m}", f)] = getattr(res, f).detach().float().cpu().view(torch.int32).item()
+    rec.close()
+    df, _ = read_training_run(tmp_path / "r")
+    got = {(r.step, r.sequence, r.field): r.digest if r.field.endswith("digest") else r.bits for r in df.itertuples()}
+    assert got == want
+
+
+def test_a_background_write_is_of_the_step_as_it_was_and_its_error_is_raised_next(tmp_path):
+    """The step handed off is a copy: token ids changed in place before the writer reads them do not reach the file.
+    A write that fails in the background raises at the next flush, and the next steps are written."""
+    from grpo_core import recorder
+    b, res, args = _one_call()
+    ids = args["completion_ids"].clone()
+    rec, go = TrainingRecorder(tmp_path / "r"), threading.Event()
+    keys = recorder.sequence_keys
+    with mock.patch.object(recorder, "sequence_keys", lambda *a: go.wait(10) and keys(*a)):
+        rec.record(res, step=1, **{**args, "completion_ids": ids})
+        rec.flush(wait=False)
+        ids += 1  # the trainer reuses its buffer while the writer waits
+        go.set()
+        rec.close()
+    df, _ = read_training_run(tmp_path / "r")
+    assert set(df["sequence"]) - {"rank0/micro-batch0"} == set(sequence_keys(args["completion_ids"], args[
+        "completion_mask"]))
+    with mock.patch.object(pq, "write_table", side_effect=OSError("disk full")):
+        rec.record(res, step=2, **args)
+        rec.flush(wait=False)
+        with pytest.raises(OSError, match="disk full"):
+            rec.record(res, step=3, **args)  # a new step waits for the last write: its error
+    rec.record(res, step=3, **args)
+    rec.close()
+    assert sorted(p.name for p in (tmp_path / "r" / "rank-00000").iterdir()) == ["step-0000001.parquet",
+                                                                                "step-0000003.parquet"]

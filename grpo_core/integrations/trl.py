@@ -207,7 +207,7 @@ def _grpo_core_trainer() -> type:
             self.recorder = recorder
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.recorder.flush()
+            self.recorder.flush(wait=False)
 
         def on_train_end(self, args, state, control, **kwargs):
             self.recorder.close()
