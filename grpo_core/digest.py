@@ -30,57 +30,60 @@ _SIGN_AND_MANTISSA = {torch.float32: 0x807FFFFF, torch.bfloat16: 0x807F, torch.f
 
 
 @functools.lru_cache(maxsize=32)
-def _weights(n: int, salt: int, limit: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def _weights(n: int, salt: int, limit: int, device: torch.device, dtype: torch.dtype = torch.int64,
+             pad: bool = False) -> torch.Tensor:
     """`[n, LANES]` in [1, limit): fixed pseudo-random weights (an integer hash of the index and the lane, in int64, so
-    that every device makes the same ones), as `dtype`."""
-    i = torch.arange(n, dtype=torch.int64, device=device)[:, None]
+    that every device makes the same ones), as `dtype`; `pad`: a row of zeros first, then the first n - 1."""
+    i = torch.arange(n, dtype=torch.int64, device=device)[:, None] - int(pad)
     lanes = torch.arange(LANES, dtype=torch.int64, device=device)
     x = (i * 0x9E3779B1 + lanes * 0x85EBCA77 + salt * 0xC2B2AE3D) % PRIME
     for mult in (0x27D4EB2F, 0x165667B1):
         x = (x ^ (x >> 15)) * mult % PRIME
-    return (x % (limit - 1) + 1).to(dtype)
+    return (x % (limit - 1) + 1).masked_fill_(i < 0, 0).to(dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_weights(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`[sum(widths), k * LANES]` fp64: each tensor's word weights in its own block of rows and columns, zeros
+    elsewhere, so that one matmul of the tensors' words side by side gives every tensor's row hashes."""
+    return torch.block_diag(*(_weights(w, 1, 1 << 15, device, torch.float64) for w in widths))
 
 
 class RowDigests:
-    """Digests of tensors' rows under one mask `[B, T]` (see the module docstring): what depends on the mask alone (each
-    row's weights, 0 on padding rows) is computed once, on `device`, and tensors of one row width are digested in one
-    matmul. No host sync: everything queues on the device with the rest of the step."""
+    """Digests of tensors' rows under one mask `[B, T]` (see the module docstring): each row's weight (0 on padding
+    rows) is computed once, on `device`, and the tensors of one call are digested in one matmul. No host sync:
+    everything queues on the device with the rest of the step."""
 
     def __init__(self, mask: torch.Tensor, device: torch.device):
         self.B, self.T = B, T = mask.shape
         mask = mask.to(device=device, dtype=torch.bool)
-        ordinal = (mask.cumsum(1) - 1).clamp_(min=0)  # a row's place among its sequence's active rows
-        self.row_weights = torch.where(mask[..., None], _weights(T, 2, PRIME, device)[ordinal], 0)  # [B, T, LANES]
+        place = mask.cumsum(1).mul_(mask)  # 1 + a row's place among its sequence's active rows; 0 on padding
+        self.row_weights = _weights(T + 1, 2, PRIME, device, pad=True)[place]  # [B, T, LANES]
 
     def __call__(self, *xs: torch.Tensor) -> list[torch.Tensor]:
         """`[B, LANES]` int64 for each `x` `[B, T, ...]` of a 2-, 4- or 8-byte dtype: the digest of each sequence's rows
         `x[b, t]` (flattened) with `mask[b, t]`, in order of t."""
         B, T = self.B, self.T
-        words = []
         for x in xs:
             if x.shape[:2] != (B, T):
                 raise LossContractError(f"x: expected [B, T, ...] with [B, T] = {[B, T]} like the mask, got "
                                         f"{list(x.shape)}")
             if x.element_size() not in (2, 4, 8):
                 raise LossContractError(f"x: expected a dtype of 2, 4 or 8 bytes, got {x.dtype}")
-            if B * T:
-                words.append(x.detach().reshape(B, T, -1).contiguous().view(torch.int16))
         if B * T == 0:  # no row (a rank without sequences): every digest is that of no rows
             return [torch.zeros((B, LANES), dtype=torch.int64, device=self.row_weights.device) for _ in xs]
-        if len({w.shape[2] for w in words}) > 1:
-            return [d for w in words for d in self(w)]
-        W = words[0].shape[2]
-        if W >= _MAX_WORDS:
-            raise LossContractError(f"x: expected fewer than {_MAX_WORDS} 16-bit words a row, got {W}")
-        rows = (words[0][None] if len(words) == 1 else torch.stack(words)).reshape(-1, W)  # [k * B * T, W]
-        cols = _weights(W, 1, 1 << 15, rows.device, torch.float64)
-        step = max(1, _CHUNK // max(W, 1))
+        words = [x.detach().reshape(B * T, -1).contiguous().view(torch.int16) for x in xs]
+        widths = tuple(w.shape[1] for w in words)
+        if max(widths) >= _MAX_WORDS:
+            raise LossContractError(f"x: expected fewer than {_MAX_WORDS} 16-bit words a row, got {max(widths)}")
+        rows = words[0] if len(words) == 1 else torch.cat(words, 1)  # [B * T, sum(widths)]
+        cols = _block_weights(widths, rows.device)
+        step = max(1, _CHUNK // rows.shape[1])
         # an fp64 matmul of integers: every product < 2**30 and every partial sum < 2**53 is exact, in any order
         h = [rows[lo:lo + step].double() @ cols for lo in range(0, rows.shape[0], step)]
-        h = h[0] if len(h) == 1 else torch.cat(h)
-        h = h.long().remainder_(PRIME).view(len(words), B, T, LANES)
-        out = h.mul_(self.row_weights).remainder_(PRIME).sum(2).remainder_(PRIME)  # each term < 2**31: no overflow
-        return list(out.unbind(0))
+        h = (h[0] if len(h) == 1 else torch.cat(h)).long().remainder_(PRIME).view(B, T, len(xs), LANES)
+        out = h.mul_(self.row_weights[:, :, None]).remainder_(PRIME).sum(1).remainder_(PRIME)  # terms < 2**31
+        return list(out.unbind(1))
 
 
 def row_digests(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

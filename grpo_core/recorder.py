@@ -5,7 +5,7 @@
     rec.record(result, step=step, input=hidden, completion_ids=completion_ids, completion_mask=mask,
                prompt_ids=prompt_ids, prompt_mask=prompt_mask, old_logps=old_logps, micro_batch=i)
     result.loss.backward()                                   # the gradient of `input` is digested in its hook
-    rec.close()                                              # or: the next step's first record writes this step
+    rec.close()                                              # or: the next step's first record hands it off
 
 Each optimizer step of each rank becomes one Parquet file, `rank-<R>/step-<S>.parquet` (written whole, then renamed
 into place: a run can be read while it goes on). One row per (step, sequence, field): the value and its exact bit
@@ -14,18 +14,19 @@ where it sat, so two runs with other ranks, micro-batches or accumulation are co
 (`python -m harness diff`, `python -m reports drift`).
 
 Per sequence: the result's `per_sequence_policy`, `per_sequence_kl`, `advantages` (sequence-level ones),
-`per_sequence_active_tokens` and `per_sequence_entropy` (when computed), and three digests:
+`per_sequence_active_tokens` and `per_sequence_entropy` (when computed), and four digests:
 - `input_digest`: the active rows of the loss's differentiable input (the hidden states of the fused linear loss, the
   logits of the logits ops), their bits;
 - `logps_digest`: the given old and reference log-probs, importance-sampling ratio and token-level advantages at
   the active tokens (absent when none is given);
 - `grad_digest`: the active rows of that input's gradient, taken in a hook during the backward (absent when no
-  backward ran).
+  backward ran), and `grad_mantissa_digest`: their bits less the exponents (unmoved by a power-of-two scale).
 Per call, the scalars `loss`, `policy_loss` and `kl` under the sequence `rank<R>/micro-batch<M>`.
 
 A digest is `grpo_core.digest.row_digests`: exact integer arithmetic on the bit patterns, the same bits give the same
-digest on every device; it is computed where the tensor lives (one read of it), and a few bytes per sequence are
-copied back when the step is written.
+digest on every device; it is computed where the tensor lives (one read of it; a call's digests in one matmul). A
+step's numbers and token ids leave the device in one copy queued without a host synchronization when the next step
+begins (or the trainer's step ends), and a background thread writes the file.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .contract import MATH_VERSION
@@ -53,25 +55,25 @@ SCALAR_FIELDS = ("loss", "policy_loss", "kl")
 
 
 def _hex(digests: torch.Tensor) -> list[str]:
-    return ["".join(f"{int(v):08x}" for v in row) for row in digests.tolist()]
+    """Each row's lanes (each below 2**31) as 8 hex digits apiece."""
+    flat = digests.numpy().astype(">u4").tobytes().hex()
+    width = 8 * digests.shape[1]
+    return [flat[i:i + width] for i in range(0, len(flat), width)]
 
 
 def sequence_keys(completion_ids: torch.Tensor, completion_mask: torch.Tensor, prompt_ids: torch.Tensor | None = None,
                   prompt_mask: torch.Tensor | None = None) -> list[str]:
-    """One key per sequence: 16 hex digits of a BLAKE2b hash of its prompt's active token ids and its completion's
-    active token ids (padding never enters it)."""
-    def active(ids: torch.Tensor | None, mask: torch.Tensor | None) -> list[list[int]]:
+    """One key per sequence: 16 hex digits of a BLAKE2b hash of its prompt's active token count (8 bytes), its
+    prompt's active token ids and its completion's active token ids (int64 little-endian; padding never enters)."""
+    def active(ids: torch.Tensor | None, mask: torch.Tensor | None) -> list[np.ndarray]:
         if ids is None:
-            return [[] for _ in range(completion_ids.shape[0])]
-        ids = ids.detach().cpu().long()
-        keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
-        return [row[k].tolist() for row, k in zip(ids, keep)]
+            return [np.zeros(0, "<i8")] * completion_ids.shape[0]
+        ids = ids.detach().cpu().numpy().astype("<i8")
+        return list(ids) if mask is None else [row[k] for row, k in zip(ids, mask.detach().cpu().bool().numpy())]
 
-    keys = []
-    for p, c in zip(active(prompt_ids, prompt_mask), active(completion_ids, completion_mask)):
-        data = json.dumps([p, c], separators=(",", ":")).encode()
-        keys.append(hashlib.blake2b(data, digest_size=8).hexdigest())
-    return keys
+    return [hashlib.blake2b(np.int64(len(p)).astype("<i8").tobytes() + p.tobytes() + c.tobytes(),
+                            digest_size=8).hexdigest()
+            for p, c in zip(active(prompt_ids, prompt_mask), active(completion_ids, completion_mask))]
 
 
 def _provenance(device: torch.device) -> dict[str, Any]:
@@ -219,6 +221,7 @@ class TrainingRecorder:
         token_advantages = result.advantages[lo:hi] if result.advantages.dim() == 2 else None
         given = [t.detach().float().expand(B, T) for t in
                  (old_logps, ref_logps, importance_sampling_ratio, token_advantages) if t is not None]
+        digests = rows(input, torch.stack(given, -1)) if given else [rows(input)[0], None]  # one matmul
         call: dict[str, Any] = {
             "micro_batch": micro_batch, "generation": generation,
             "keys": (completion_ids.detach(), mask, None if prompt_ids is None else prompt_ids.detach(),
@@ -226,8 +229,7 @@ class TrainingRecorder:
             "scalars": torch.stack([result.loss.detach(), result.policy_loss, result.kl]).float(),
             "vectors": {f: getattr(result, f)[lo:hi].detach() for f in SEQUENCE_FIELDS
                         if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
-            "input_digest": rows(input)[0],
-            "logps_digest": rows(torch.stack(given, -1))[0] if given else None}
+            "input_digest": digests[0], "logps_digest": digests[1]}
         if self._provenance is None:
             self._device, self._provenance = input.device, _provenance(input.device)
         if input.requires_grad and torch.is_grad_enabled():

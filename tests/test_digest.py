@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_core import digest
-from grpo_core.digest import LANES, PRIME, mantissas, row_digests
+from grpo_core.digest import LANES, PRIME, RowDigests, mantissas, row_digests
 
 
 def _py_weights(n: int, salt: int, limit: int) -> list[list[int]]:
@@ -96,6 +96,19 @@ def test_padding_and_position_never_enter_and_order_does():
     assert (row_digests(-zero, torch.ones(1, 1)) != row_digests(zero, torch.ones(1, 1))).all()  # -0.0 is not +0.0
     for b, t in ((0, 5), (2, 0)):  # no row at all (a rank without sequences): the digests of no rows
         assert torch.equal(row_digests(torch.zeros(b, t, 7), torch.ones(b, t)), torch.zeros(b, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 40])
+def test_tensors_digested_together_give_each_ones_digest(chunk, monkeypatch):
+    """`RowDigests(mask)(a, b, c)`, one matmul of the three side by side (other widths, dtypes, a 3-d one), gives the
+    digests each gives alone and their definition's; also in steps of a few rows."""
+    monkeypatch.setattr(digest, "_CHUNK", chunk)
+    g = torch.Generator().manual_seed(4)
+    mask = torch.rand(3, 5, generator=g) < 0.7
+    xs = [torch.randn(3, 5, 6, generator=g).bfloat16(), torch.randn(3, 5, generator=g)[..., None].double(),
+          torch.randn(3, 5, 2, 3, generator=g)]
+    together = RowDigests(mask, torch.device("cpu"))(*xs)
+    assert [d.tolist() for d in together] == [_py_digest(x, mask) for x in xs]
 
 
 def test_row_digests_refuse_what_they_cannot_read():
