@@ -76,11 +76,15 @@ class RowDigests:
         widths = tuple(w.shape[1] for w in words)
         if max(widths) >= _MAX_WORDS:
             raise LossContractError(f"x: expected fewer than {_MAX_WORDS} 16-bit words a row, got {max(widths)}")
-        rows = words[0] if len(words) == 1 else torch.cat(words, 1)  # [B * T, sum(widths)]
-        cols = _block_weights(widths, rows.device)
-        step = max(1, _CHUNK // rows.shape[1])
+        cols = _block_weights(widths, words[0].device)
+        step = max(1, _CHUNK // max(sum(widths), 1))
+
+        def chunk(lo: int) -> torch.Tensor:  # rows lo.. of the words side by side (a copy of a chunk's rows at most)
+            part = [w[lo:lo + step] for w in words]
+            return part[0] if len(part) == 1 else torch.cat(part, 1)
+
         # an fp64 matmul of integers: every product < 2**30 and every partial sum < 2**53 is exact, in any order
-        h = [rows[lo:lo + step].double() @ cols for lo in range(0, rows.shape[0], step)]
+        h = [chunk(lo).double() @ cols for lo in range(0, B * T, step)]
         h = (h[0] if len(h) == 1 else torch.cat(h)).long().remainder_(PRIME).view(B, T, len(xs), LANES)
         out = h.mul_(self.row_weights[:, :, None]).remainder_(PRIME).sum(1).remainder_(PRIME)  # terms < 2**31
         return list(out.unbind(1))

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import platform
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ SEQUENCE_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_
                    "per_sequence_entropy")
 DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest", "grad_mantissa_digest")
 SCALAR_FIELDS = ("loss", "policy_loss", "kl")
+KEY_FORMAT = "blake2b-64(int64le: prompt length, prompt ids, completion ids)"  # in every file: runs of one format match
 
 
 def _hex(digests: torch.Tensor) -> list[str]:
@@ -111,7 +113,7 @@ class _HostCopy:
             self.flat = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
             self.flat.copy_(flat, non_blocking=True)
             self.ready = torch.cuda.Event()
-            self.ready.record()
+            self.ready.record(torch.cuda.current_stream(device))  # the copy's stream: the source device's
         else:
             self.flat = flat.cpu()
 
@@ -244,7 +246,8 @@ class TrainingRecorder:
         """Writes the calls of the current step to its file (nothing when there is none); returns the file.
         `wait=False` (the trainer's and a new step's first `record`'s): the step's numbers leave the device in one copy
         without a host synchronization and a background thread writes the file; the next `flush` or `close` waits for
-        it and raises its error."""
+        it and raises its error (the step is not written again). With `wait=True` a failed write leaves the step to be
+        flushed again."""
         self._join()
         if not self._calls:
             return None
@@ -252,16 +255,17 @@ class TrainingRecorder:
         if path.exists():
             raise ValueError(f"record_dir: expected no other recorder of rank {self.rank} in {self.dir.parent} (a "
                              f"recorded step is never replaced), got {path}, written by another one")
-        calls, step, self._calls, self._written = self._calls, self._step, [], self._step
+        calls, step = self._calls, self._step
         parts = [(c["keys"], c["scalars"], c["vectors"], [c.get(f) for f in DIGEST_FIELDS]) for c in calls]
         host = _HostCopy(_leaves(parts), self._device)
         meta = {"kind": "training", "rank": self.rank, "metadata": self.metadata, "provenance": self._provenance,
-                "grpo_core_version": _version()}
+                "grpo_core_version": _version(), "sequence_keys": KEY_FORMAT}
         args = (path, step, [(c["micro_batch"], c["generation"]) for c in calls], parts, host, meta)
         if wait:
-            self._write(*args)
+            self._write(*args)  # on an error the step stays to be flushed again
         else:
-            self._writing = self._writer.submit(self._write, *args)
+            self._writing = self._writer.submit(self._write_or_warn, *args)
+        self._calls, self._written = [], step
         return path
 
     def close(self) -> None:
@@ -273,6 +277,16 @@ class TrainingRecorder:
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.result()
+
+    def _write_or_warn(self, *args: Any) -> None:
+        """`_write` in the background: its error is raised by the next flush or close, and warned of at once (a
+        process that ends without `close` would not hear of it)."""
+        try:
+            self._write(*args)
+        except BaseException as exc:
+            warnings.warn(f"TrainingRecorder: step {args[1]} was not written ({type(exc).__name__}: {exc}); the next "
+                          f"flush or close raises it", RuntimeWarning)
+            raise
 
     def _write(self, path: Path, step: int, calls: list[tuple[int, int]], parts: list, host: _HostCopy,
                meta: dict[str, Any]) -> None:

@@ -204,6 +204,11 @@ def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
                              f"got {path} ({why})")
     a, meta_a = load_training_run("RUN_A", a_path)
     b, meta_b = load_training_run("RUN_B", b_path)
+    keys_a, keys_b = (m.get("sequence_keys", "none named (an earlier recorder's JSON token lists)")
+                      for m in (meta_a, meta_b))
+    if keys_a != keys_b:
+        raise UsageError(f"RUN_B: expected sequence keys of RUN_A's format, {keys_a}, got {keys_b} in {b_path} (runs "
+                         f"recorded by grpo_core versions that key sequences otherwise cannot be matched)")
     scalars = same_layout(meta_a, meta_b)
     diffs = compare_training(a, b, scalars)
     verdicts = sequence_verdicts(diffs)

@@ -94,6 +94,7 @@ def test_padding_and_position_never_enter_and_order_does():
     assert (row_digests(z, mask)[0] != base[0]).all()
     zero = torch.zeros(1, 1, 4)
     assert (row_digests(-zero, torch.ones(1, 1)) != row_digests(zero, torch.ones(1, 1))).all()  # -0.0 is not +0.0
+    assert torch.equal(row_digests(torch.zeros(2, 3, 0), torch.ones(2, 3)), torch.zeros(2, 4, dtype=torch.int64))
     for b, t in ((0, 5), (2, 0)):  # no row at all (a rank without sequences): the digests of no rows
         assert torch.equal(row_digests(torch.zeros(b, t, 7), torch.ones(b, t)), torch.zeros(b, 4, dtype=torch.int64))
 
@@ -107,8 +108,13 @@ def test_tensors_digested_together_give_each_ones_digest(chunk, monkeypatch):
     mask = torch.rand(3, 5, generator=g) < 0.7
     xs = [torch.randn(3, 5, 6, generator=g).bfloat16(), torch.randn(3, 5, generator=g)[..., None].double(),
           torch.randn(3, 5, 2, 3, generator=g)]
+    words = []  # the 16-bit words put side by side: a step's rows at a time, never the whole tensors
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts, *a: words.extend(t.numel() for t in ts if t.dtype == torch.int16) or
+                        cat(ts, *a))
     together = RowDigests(mask, torch.device("cpu"))(*xs)
     assert [d.tolist() for d in together] == [_py_digest(x, mask) for x in xs]
+    assert words and max(words) <= chunk
 
 
 def test_row_digests_refuse_what_they_cannot_read():

@@ -5,8 +5,10 @@ keys, the run table, its checks, and the diff's attribution on runs made here wi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
+import struct
 import subprocess
 import sys
 import threading
@@ -39,6 +41,12 @@ def test_sequence_keys_read_the_active_tokens_only():
     assert k[0] == k[1] and len(k[0]) == 16
     assert sequence_keys(ids, mask, torch.tensor([[0, 4], [0, 3]]), pmask)[0] != k[0]  # the prompt is in the key
     assert sequence_keys(ids[:, :3], mask[:, :3], prompt[:, 1:], pmask[:, 1:]) == k  # padding is not
+    # the definition: BLAKE2b-64 of the prompt's active length, then both active id lists, as little-endian int64
+    assert k[0] == hashlib.blake2b(struct.pack("<5q", 1, 3, 5, 6, 7), digest_size=8).hexdigest()
+    # where the prompt ends is part of it: ([3], [5, 6]) is not ([3, 5], [6])
+    two = sequence_keys(torch.tensor([[5, 6], [6, 0]]), torch.tensor([[1, 1], [1, 0]]), torch.tensor([[3, 0], [3, 5]]),
+                        torch.tensor([[1, 0], [1, 1]]))
+    assert two[0] != two[1]
 
 
 def _batch(seed: int, B: int = 8, T: int = 6, H: int = 16, V: int = 40) -> dict:
@@ -469,9 +477,29 @@ def test_a_background_write_is_of_the_step_as_it_was_and_its_error_is_raised_nex
     with mock.patch.object(pq, "write_table", side_effect=OSError("disk full")):
         rec.record(res, step=2, **args)
         rec.flush(wait=False)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.warns(RuntimeWarning, match=r"step 2 was not written \(OSError: disk full\)"), \
+                pytest.raises(OSError, match="disk full"):
             rec.record(res, step=3, **args)  # a new step waits for the last write: its error
-    rec.record(res, step=3, **args)
+        rec.record(res, step=3, **args)
+        with pytest.raises(OSError, match="disk full"):
+            rec.flush()  # written at once: the step stays, to be flushed again
     rec.close()
     assert sorted(p.name for p in (tmp_path / "r" / "rank-00000").iterdir()) == ["step-0000001.parquet",
                                                                                 "step-0000003.parquet"]
+
+
+def test_runs_keyed_in_other_formats_are_not_compared(tmp_path):
+    """A run whose files name another key format (or none: an earlier recorder's) cannot be matched sequence by
+    sequence: the diff says so instead of reporting every sequence in one run only."""
+    from harness.cli import UsageError
+    for name in ("a", "b"):
+        record_run(tmp_path / name, steps=2)
+    for path in (tmp_path / "b").glob("rank-*/step-*.parquet"):
+        table = pq.read_table(path)
+        meta = json.loads(table.schema.metadata[b"grpo_core"])
+        del meta["sequence_keys"]
+        pq.write_table(table.replace_schema_metadata({b"grpo_core": json.dumps(meta).encode()}), path)
+    with pytest.raises(UsageError, match=r"^RUN_B: expected sequence keys of RUN_A's format, blake2b-64\(int64le: "
+                                         r"prompt length, prompt ids, completion ids\), got none named \(an earlier "
+                                         r"recorder's JSON token lists\)"):
+        training_comparison(str(tmp_path / "a"), str(tmp_path / "b"))
