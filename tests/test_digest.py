@@ -101,7 +101,7 @@ def test_padding_and_position_never_enter_and_order_does():
 
 @pytest.mark.parametrize("chunk", [1 << 24, 40])
 def test_tensors_digested_together_give_each_ones_digest(chunk, monkeypatch):
-    """`RowDigests(mask)(a, b, c)`, one matmul of the three side by side (other widths, dtypes, a 3-d one), gives the
+    """`RowDigests(mask)(a, b, c)`, one matmul of the three side by side (other widths, dtypes, a 4-d one), gives the
     digests each gives alone and their definition's; also in steps of a few rows."""
     monkeypatch.setattr(digest, "_CHUNK", chunk)
     g = torch.Generator().manual_seed(4)
