@@ -9,12 +9,13 @@ This rank's active tokens go through in chunks of a fixed number of tokens. Per 
 `z = h W^T (+ b)` in fp32 (a `[chunk, local vocab]` buffer, the only one that scales with the vocabulary), the
 canonical tile statistics and log-sum-exp of `vocab_parallel_logprob.py` (gathered over TP), the log-probs, and,
 when a gradient is wanted, `dz = coef * (onehot - softmax)` (`canonical.token_coef`, the advantages and the
-normalizer's token weights being known before the pass), cast to the weight's dtype, then `dH = dz W` and
-`dW += dz^T h` (and the bias' column sums). Three matmuls per token, nothing recomputed (GSPO's
-`importance_sampling_level="sequence"`, the off-policy mask and vespo: four, the logits computed twice, since a token's
-coefficient needs every log-prob of its sequence; the first pass computes only the log-probs); the gradients are ready
-when the forward returns and are scaled by `grad_output` in the backward (exact when it is 1.0, as after
-`loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in fp32 until then).
+normalizer's token weights being known before the pass), cast to the weight's dtype a slice of vocabulary columns at
+a time (`DZ_COLUMNS`), each slice then folded into `dH += dz W` and `dW += dz^T h` (and the bias' column sums).
+Three matmuls per token, nothing recomputed (GSPO's `importance_sampling_level="sequence"`, the off-policy mask and
+vespo: four, the logits computed twice, since a token's coefficient needs every log-prob of its sequence; the first
+pass computes only the log-probs); the gradients are ready when the forward returns and are scaled by `grad_output`
+in the backward (exact when it is 1.0, as after `loss.backward()`: `dH` is kept in the hidden states' dtype, `dW` in
+fp32 until then).
 
 The per-token log-probs then give the loss exactly as the logits op's deterministic path does: the same stages
 (`distributed/grpo_loss.py`: the advantages, the token terms with `pair_sum` over `padded_seq_len`, per-sequence
@@ -65,9 +66,11 @@ __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
 BACKEND_ID = "linear/1"
 TORCH_CHUNK = 256  # tokens per chunk of the torch kernels (the dW fold's step)
 TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the matmul's K step: an fp32 [4096, V]
-# logits buffer and a dz buffer in the weight's dtype (2.5 + 1.2 GB at V = 151936). No bit depends on it (dW's
-# fold continues across chunks on K-step boundaries); 2048 halves the buffers but reads and writes the fp32 dW
-# accumulator twice as often (4.4 GB a chunk at H = 3584)
+# logits buffer (2.5 GB at V = 151936). No bit depends on it (dW's fold continues across chunks on K-step
+# boundaries); 2048 halves the buffer but reads and writes the fp32 dW accumulator twice as often (4.4 GB a chunk
+# at H = 3584)
+DZ_COLUMNS = 32768  # the most vocabulary columns of a chunk's dz buffer (256 MiB in bf16 at 4096 tokens). No bit
+# depends on it (`_dz_slices`); in one slice at V = 151936, dz took 1.2 GB
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 MAX_TRITON_TILE = 4096  # the row kernels' largest tile
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
@@ -121,6 +124,11 @@ class TorchKernels:
                    entropy)
         return out
 
+    @staticmethod
+    def fold_step(width: int) -> int:
+        """The columns of one step of `dhidden`'s fold over the vocabulary."""
+        return width
+
     def dhidden(self, dz: torch.Tensor, w: torch.Tensor, acc: torch.Tensor, width: int) -> torch.Tensor:
         for start in range(0, dz.shape[1], width):
             acc = acc + _dot(dz[:, start:start + width], w[start:start + width].T)
@@ -166,8 +174,12 @@ class TritonKernels:
                               surrogate=c.surrogate, taus=c.taus, coef=c.coef,
                               entropy=None if c.coef_h is None else (c.coef_h, c.ent))
 
-    def dhidden(self, dz, w, acc, width):  # TP shards start on tiles: a K step that divides the tile width
-        return self.mm(dz, w, acc, accumulate=True, block_k=min(width, 64))
+    @staticmethod
+    def fold_step(width: int) -> int:  # TP shards start on tiles: a K step that divides the tile width
+        return min(width, 64)
+
+    def dhidden(self, dz, w, acc, width):
+        return self.mm(dz, w, acc, accumulate=True, block_k=self.fold_step(width))
 
     def dweight(self, dz, h, acc):  # pointer loads: the transposed TMA load was slower here (matmul.py)
         self.mm(dz.T, h, acc, accumulate=True, tma=False)
@@ -245,17 +257,30 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
             continue
         inputs, dh, dw, db = grads
         c = inputs.chunk(start, stop, logp, logp_ref)
-        dz = k.dz(z, a, lo, lse, logp[start:stop], c, inv, weight.dtype)
+        acc = None if dh is None else torch.zeros((stop - start, hidden.shape[1]), dtype=torch.float32,
+                                                  device=hidden.device)
+        for u, v in _dz_slices(k, z.shape[1], lp):  # dz a slice of columns at a time: the same bits as whole
+            dz = k.dz(z[:, u:v], a, lo + u, lse, logp[start:stop], c, inv, weight.dtype)
+            if dh is not None:
+                acc = _fold_over_tp(lambda acc: k.dhidden(dz, weight[u:v], acc, lp.tile_width), acc, lp, tp_group)
+            if dw is not None:
+                k.dweight(dz, h, dw[u:v])
+            if db is not None:
+                db[u:v] += canonical.pair_sum(dz.float(), 0)
+            del dz
         del z
         if dh is not None:
-            zero = torch.zeros((stop - start, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-            dh[r] = _fold_over_tp(lambda acc: k.dhidden(dz, weight, acc, lp.tile_width), zero, lp, tp_group
-                                  ).to(dh.dtype)
-        if dw is not None:
-            k.dweight(dz, h, dw)
-        if db is not None:
-            db += canonical.pair_sum(dz.float(), 0)
+            dh[r] = acc.to(dh.dtype)
     return logp, logp_ref, ent
+
+
+def _dz_slices(k, V: int, lp: LogprobContract) -> list[tuple[int, int]]:
+    """The column slices `dz` is written in, `DZ_COLUMNS` at most, each but the last a whole number of the `dH`
+    fold's steps (so the fold, continued from slice to slice, is the fold over the whole row: `triton/matmul.py`).
+    Over TP one slice, the shard: each rank continues the previous rank's fold over its whole shard."""
+    step = k.fold_step(lp.tile_width)
+    width = V if len(lp.vocab_shard_bounds) > 1 else max(step, DZ_COLUMNS // step * step)
+    return [(u, min(V, u + width)) for u in range(0, V, width)]
 
 
 @dataclasses.dataclass

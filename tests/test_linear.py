@@ -363,6 +363,26 @@ def test_the_triton_chunk_size_changes_no_bit():
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("over", [dict(), dict(entropy_coef=0.01, importance_sampling_level="sequence",
+                                               temperature=0.7)], ids=["defaults", "entropy,gspo"])
+def test_dz_in_column_slices_changes_no_bit(kernels, over):
+    """`dz` a slice of vocabulary columns at a time (`linear.DZ_COLUMNS`; here slices of 48, 48, 48 and 16 columns,
+    each a whole number of the dH fold's steps of 16), the dH fold continued from slice to slice: the same bits of
+    every field and every gradient as with the whole row in one slice."""
+    inp = make(B=4, T=5, V=160, seed=5)
+    one, g_one = run(inp, kernels, vocab_tile=16, **over)
+    with mock.patch.object(linear, "DZ_COLUMNS", 56):
+        lp = linear.LogprobContract(vocab_size=160, tile_width=16, num_tokens=20)
+        assert linear._dz_slices(linear.TorchKernels(), 160, lp) == [
+            (0, 48), (48, 96), (96, 144), (144, 160)]
+        many, g_many = run(inp, kernels, vocab_tile=16, **over)
+    for f in FIELDS:
+        assert_bitwise_equal(getattr(many, f), getattr(one, f), f)
+    for a, b, name in zip(g_many, g_one, "hwb"):
+        assert_bitwise_equal(a, b, f"d {name}")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("which", ["weight", "bias"])
 def test_an_integer_weight_or_bias_is_refused(kernels, which):
     """An integer lm_head would give an all-zero hidden gradient: refused, naming the argument."""
