@@ -10,7 +10,7 @@ This rank's active tokens go through in chunks of a fixed number of tokens. Per 
 canonical tile statistics and log-sum-exp of `vocab_parallel_logprob.py` (gathered over TP), the log-probs, and,
 when a gradient is wanted, `dz = coef * (onehot - softmax)` (`canonical.token_coef`, the advantages and the
 normalizer's token weights being known before the pass), cast to the weight's dtype a slice of vocabulary columns at
-a time (`DZ_COLUMNS`), each slice then folded into `dH += dz W` and `dW += dz^T h` (and the bias' column sums).
+a time (`SLICE_COLUMNS`), each slice then folded into `dH += dz W` and `dW += dz^T h` (and the bias' column sums).
 Three matmuls per token, nothing recomputed (GSPO's `importance_sampling_level="sequence"`, the off-policy mask and
 vespo: four, the logits computed twice, since a token's coefficient needs every log-prob of its sequence; the first
 pass computes only the log-probs); the gradients are ready when the forward returns and are scaled by `grad_output`
@@ -58,7 +58,7 @@ from .digest import row_digests
 from .distributed.grpo_loss import (LossCall, advantages_stage, check_everywhere, finish_stage, loss_coef,
                                     replicated_inputs, result_stage, token_terms)
 from .distributed.preflight import preflight
-from .distributed.vocab_parallel_logprob import gather_tile_stats, vocab_parallel_lse, write_grad
+from .distributed.vocab_parallel_logprob import gather_tile_stats, local_tile_stats, write_grad
 from .result import GRPOLossResult, provenance
 
 __all__ = ["LinearGRPOLossOp", "linear_grpo_loss", "linear_logprobs"]
@@ -69,8 +69,9 @@ TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the
 # logits buffer (2.5 GB at V = 151936). No bit depends on it (dW's fold continues across chunks on K-step
 # boundaries); 2048 halves the buffer but reads and writes the fp32 dW accumulator twice as often (4.4 GB a chunk
 # at H = 3584)
-DZ_COLUMNS = 32768  # the most vocabulary columns of a chunk's dz buffer (256 MiB in bf16 at 4096 tokens). No bit
-# depends on it (`_dz_slices`); in one slice at V = 151936, dz took 1.2 GB
+SLICE_COLUMNS = 32768  # the most vocabulary columns of a chunk's dz buffer (256 MiB in bf16 at 4096 tokens), and of
+# its logits when they are not kept for dz (the reference's, and without gradients). No bit depends on it
+# (`_slices`); at V = 151936 a whole dz took 1.2 GB, whole logits 2.5 GB
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 MAX_TRITON_TILE = 4096  # the row kernels' largest tile
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
@@ -100,8 +101,16 @@ class TorchKernels:
         z = _dot(h, w)
         return z if b is None else z + b.float()
 
-    def lse(self, z, ids, lp: LogprobContract, tp_group, inv, entropy: bool = False) -> tuple[torch.Tensor, ...]:
-        return vocab_parallel_lse(z, torch.arange(z.shape[0], device=z.device), ids, lp, tp_group, inv, entropy)
+    @staticmethod
+    def stats(z, ids, lo, width, inv, entropy: bool = False) -> tuple[torch.Tensor, ...]:
+        """`(m, s, selected(, u))` of `z`, the vocabulary's columns from `lo` (`local_tile_stats`)."""
+        return local_tile_stats(z, torch.arange(z.shape[0], device=z.device), ids, lo, width, inv, entropy)
+
+    @staticmethod
+    def merge(m, s, *u) -> tuple[torch.Tensor, ...]:
+        """`(lse,)`, or with the entropy's tile sums `u`, `(lse, entropy)`: every tile merged in order."""
+        merged = canonical.merge_stats(m, s, *u)
+        return (canonical.lse(*merged[:2]), *([canonical.entropy_of(*merged)] if u else []))
 
     def dz(self, z, ids, lo, lse, logp, c: _CoefInputs, inv, dtype) -> torch.Tensor:
         if c.coef is not None:
@@ -152,14 +161,17 @@ class TritonKernels:
         z = torch.empty((h.shape[0], -(-V // 8) * 8), dtype=torch.float32, device=h.device)[:, :V]
         return self.mm(h, w.T, z, bias=b)
 
-    def lse(self, z, ids, lp: LogprobContract, tp_group, inv, entropy: bool = False):
+    def stats(self, z, ids, lo, width, inv, entropy: bool = False):
         mask = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
-        sel, stats = self.rows.row_stats(z, None, ids, mask, lp.local_bounds[0], lp.tile_width, inv, entropy)
-        m, s, sel, *u = gather_tile_stats(stats[0, 0], stats[0, 1], sel[0], ids, lp, tp_group, *stats[0, 2:])
-        if not entropy:
-            return self.rows.merge_lse(torch.stack([m, s])[None], mask)[0], sel
+        sel, stats = self.rows.row_stats(z, None, ids, mask, lo, width, inv, entropy)
+        return stats[0, 0], stats[0, 1], sel[0], *stats[0, 2:]
+
+    def merge(self, m, s, *u):
+        mask = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
+        if not u:
+            return (self.rows.merge_lse(torch.stack([m, s])[None], mask)[0],)
         lse, ent = self.rows.merge_lse(torch.stack([m, s, u[0]])[None], mask, True)
-        return lse[0], sel, ent
+        return lse[0], ent
 
     def dz(self, z, ids, lo, lse, logp, c: _CoefInputs, inv, dtype):
         """Into a buffer of its own (rows padded to 8 columns for TMA). Not over `z`'s own rows: a row's threads
@@ -234,32 +246,34 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
     `ent`, the policy's entropies, None without `entropy`).
     `grads`: `(inputs, dh, dw, db)`, the `_CoefInputs` of the rows and the gradients to fill as it goes (`dh`
     `[tokens, H]` in hidden's dtype, `dw` fp32 `[V_local, H]`, `db` fp32 `[V_local]`; each None when not wanted)."""
-    n = rows.numel()
+    n, V = rows.numel(), weight.shape[0]
     logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     logp_ref = None if ref is None else torch.zeros_like(logp)
     ent = torch.zeros_like(logp) if entropy else None
-    lo = lp.local_bounds[0]
+    lo, tiles = lp.local_bounds[0], _slices(V, lp.tile_width)
     for start in range(0, n, k.chunk):
         stop = min(n, start + k.chunk)
         r, a = rows[start:stop], ids[start:stop]
+        if ref is not None:  # the reference's logits a slice at a time, before the policy's
+            lse_ref, sel_ref = _lse(k, _sliced_logits(k, ref[0][r], ref[1], ref[2]), tiles, a, lp, tp_group, inv)
+            logp_ref[start:stop] = sel_ref - lse_ref
         h = hidden[r]
-        z = k.logits(h, weight, bias)
-        lse, sel, *chunk_ent = k.lse(z, a, lp, tp_group, inv, entropy)
+        if grads is None:  # the policy's too
+            lse, sel, *chunk_ent = _lse(k, _sliced_logits(k, h, weight, bias), tiles, a, lp, tp_group, inv, entropy)
+        else:  # dz reads the whole chunk's logits
+            z = k.logits(h, weight, bias)
+            lse, sel, *chunk_ent = _lse(k, lambda u, v: z, [(0, V)], a, lp, tp_group, inv, entropy)
         logp[start:stop] = sel - lse
         if entropy:
             ent[start:stop] = chunk_ent[0]
-        if ref is not None:
-            z_ref = k.logits(ref[0][r], ref[1], ref[2])
-            lse_ref, sel_ref = k.lse(z_ref, a, lp, tp_group, inv)
-            del z_ref
-            logp_ref[start:stop] = sel_ref - lse_ref
         if grads is None:
             continue
         inputs, dh, dw, db = grads
         c = inputs.chunk(start, stop, logp, logp_ref)
         acc = None if dh is None else torch.zeros((stop - start, hidden.shape[1]), dtype=torch.float32,
                                                   device=hidden.device)
-        for u, v in _dz_slices(k, z.shape[1], lp):  # dz a slice of columns at a time: the same bits as whole
+        # Over TP one slice, the shard: each rank continues the previous rank's fold over its whole shard.
+        for u, v in _slices(V, k.fold_step(lp.tile_width)) if len(lp.vocab_shard_bounds) == 1 else [(0, V)]:
             dz = k.dz(z[:, u:v], a, lo + u, lse, logp[start:stop], c, inv, weight.dtype)
             if dh is not None:
                 acc = _fold_over_tp(lambda acc: k.dhidden(dz, weight[u:v], acc, lp.tile_width), acc, lp, tp_group)
@@ -274,13 +288,35 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
     return logp, logp_ref, ent
 
 
-def _dz_slices(k, V: int, lp: LogprobContract) -> list[tuple[int, int]]:
-    """The column slices `dz` is written in, `DZ_COLUMNS` at most, each but the last a whole number of the `dH`
-    fold's steps (so the fold, continued from slice to slice, is the fold over the whole row: `triton/matmul.py`).
-    Over TP one slice, the shard: each rank continues the previous rank's fold over its whole shard."""
-    step = k.fold_step(lp.tile_width)
-    width = V if len(lp.vocab_shard_bounds) > 1 else max(step, DZ_COLUMNS // step * step)
+def _slices(V: int, step: int) -> list[tuple[int, int]]:
+    """`V` columns in slices of `SLICE_COLUMNS` at most, each but the last a whole number of `step`s: for `dz`, of
+    the `dH` fold's steps (the fold continued from slice to slice is the fold over the whole row:
+    `triton/matmul.py`); for the logits, of tiles (a tile's statistics are of its own columns alone)."""
+    width = max(step, SLICE_COLUMNS // step * step)
     return [(u, min(V, u + width)) for u in range(0, V, width)]
+
+
+def _sliced_logits(k, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """`(u, v) -> ` the logits of columns `[u, v)` (a logit's bits are its row's and its column's alone)."""
+    return lambda u, v: k.logits(h, weight[u:v], None if bias is None else bias[u:v])
+
+
+def _lse(k, logits_of, slices: list[tuple[int, int]], ids: torch.Tensor, lp: LogprobContract, tp_group, inv: float,
+         entropy: bool = False) -> tuple[torch.Tensor, ...]:
+    """`(lse, selected logit(, entropy))` of a chunk's rows from their logits `logits_of(u, v)`, this rank's columns
+    `[u, v)` for each of `slices` (whole tiles): each slice's tile statistics (its buffer gone before the next is
+    made), every rank's gathered over TP, merged in global tile order. The same bits in any slices."""
+    lo, width = lp.local_bounds[0], lp.tile_width
+    parts, sel = [], None
+    for u, v in slices:
+        m, s, got, *e = k.stats(logits_of(u, v), ids, lo + u, width, inv, entropy)
+        local = ids - (lo + u)
+        sel = got if sel is None else torch.where((local >= 0) & (local < v - u), got, sel)
+        parts.append((m, s, *e))
+    m, s, *e = (p[0] if len(p) == 1 else torch.cat(p, 1) for p in zip(*parts))
+    m, s, sel, *e = gather_tile_stats(m, s, sel, ids, lp, tp_group, *e)
+    lse, *ent = k.merge(m, s, *e)
+    return lse, sel, *ent
 
 
 @dataclasses.dataclass

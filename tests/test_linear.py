@@ -365,21 +365,49 @@ def test_the_triton_chunk_size_changes_no_bit():
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("over", [dict(), dict(entropy_coef=0.01, importance_sampling_level="sequence",
                                                temperature=0.7)], ids=["defaults", "entropy,gspo"])
-def test_dz_in_column_slices_changes_no_bit(kernels, over):
-    """`dz` a slice of vocabulary columns at a time (`linear.DZ_COLUMNS`; here slices of 48, 48, 48 and 16 columns,
-    each a whole number of the dH fold's steps of 16), the dH fold continued from slice to slice: the same bits of
-    every field and every gradient as with the whole row in one slice."""
+def test_vocabulary_slices_change_no_bit(kernels, over):
+    """`dz`, and the logits not kept for it (the reference's, the log-probs'), a slice of vocabulary columns at a
+    time (`linear.SLICE_COLUMNS`; here slices of 48, 48, 48 and 16 columns: whole tiles of 16, whole steps of the dH
+    fold): the same bits of every field, every gradient and `linear_logprobs` as with the whole row in one slice."""
     inp = make(B=4, T=5, V=160, seed=5)
+    logprobs = lambda: linear_logprobs(inp["ref_hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"],
+                                       bias=inp["bias"], vocab_tile=16, kernels=kernels, temperature=0.7)
     one, g_one = run(inp, kernels, vocab_tile=16, **over)
-    with mock.patch.object(linear, "DZ_COLUMNS", 56):
-        lp = linear.LogprobContract(vocab_size=160, tile_width=16, num_tokens=20)
-        assert linear._dz_slices(linear.TorchKernels(), 160, lp) == [
-            (0, 48), (48, 96), (96, 144), (144, 160)]
+    lp_one = logprobs()
+    with mock.patch.object(linear, "SLICE_COLUMNS", 56):
+        assert linear._slices(160, 16) == [(0, 48), (48, 96), (96, 144), (144, 160)]
         many, g_many = run(inp, kernels, vocab_tile=16, **over)
+        lp_many = logprobs()
     for f in FIELDS:
         assert_bitwise_equal(getattr(many, f), getattr(one, f), f)
     for a, b, name in zip(g_many, g_one, "hwb"):
         assert_bitwise_equal(a, b, f"d {name}")
+    assert_bitwise_equal(lp_many, lp_one, "linear_logprobs")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("call", ["logprobs", "loss with ref_hidden"])
+def test_one_logits_buffer_is_alive_at_a_time(kernels, call):
+    """The largest buffer, a chunk's `[chunk, V]` fp32 logits: each one is gone before the next is made (the next
+    chunk's, or the policy's after the reference's), with and without gradients."""
+    import weakref
+    inp = make(B=8, T=12, seed=6)
+    cls = linear.TritonKernels if kernels == "triton" else linear.TorchKernels
+    made, logits = [], cls.logits
+
+    def tracked(self, h, w, b):
+        alive = [i for i, ref in enumerate(made) if ref() is not None]
+        assert not alive, f"logits buffers {alive} of {len(made)} are still alive when another is made"
+        z = logits(self, h, w, b)
+        made.append(weakref.ref(z))
+        return z
+
+    with mock.patch.object(cls, "logits", tracked), mock.patch.object(cls, "chunk", 64):
+        if call == "logprobs":
+            linear_logprobs(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"], kernels=kernels)
+        else:
+            run(inp, kernels)
+    assert len(made) >= (2 if call == "logprobs" else 4)  # two chunks at least (the reference's too)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

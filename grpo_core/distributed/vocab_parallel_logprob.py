@@ -74,20 +74,28 @@ def vocab_parallel_lse(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tens
     """`(lse, selected logit)` fp32 `[len(rows)]` of the rows `rows` of this rank's `[tokens, local vocab]` shard
     read as `z = fp32(x) * inv_temperature`, for global `ids`. `lse` is NaN for a row that holds a NaN or +inf logit
     or only -inf ones. `entropy`: `(lse, selected, entropy)`, each row's `canonical.entropy_of` (NaN where `lse` is)."""
-    lo, hi = contract.local_bounds
-    width = contract.tile_width
-    stats = [canonical.tile_stats(scaled(logits[chunk], inv_temperature), width, entropy)
-             for chunk in row_chunks(rows, hi - lo, width, logits.shape[0])]
-    tiles = -(-(hi - lo) // width)
-    empty = logits.new_zeros((0, tiles), dtype=torch.float32)
-    m, s, *u = (torch.cat([st[i] for st in stats]) if stats else empty for i in range(2 + entropy))
-    local = ids - lo
-    owned = (local >= 0) & (local < hi - lo)
-    selected = torch.where(owned, scaled(logits[rows, local.clamp(0, hi - lo - 1)], inv_temperature), 0.0)
+    m, s, selected, *u = local_tile_stats(logits, rows, ids, contract.local_bounds[0], contract.tile_width,
+                                          inv_temperature, entropy)
     m, s, selected, *u = gather_tile_stats(m, s, selected, ids, contract, tp_group, *u)
     merged = canonical.merge_stats(m, s, *u)
     lse = canonical.lse(*merged[:2])
     return (lse, selected) if not entropy else (lse, selected, canonical.entropy_of(*merged))
+
+
+def local_tile_stats(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, lo: int, tile_width: int,
+                     inv_temperature: float = 1.0, entropy: bool = False) -> tuple[torch.Tensor, ...]:
+    """`(m, s, selected)` (with `entropy`, `(m, s, selected, u)`) of the rows `rows` of `logits`, the vocabulary's
+    columns `[lo, lo + logits.shape[1])` (`lo` on a tile): each tile's `canonical.tile_stats` `[len(rows), tiles]`,
+    and the selected logit of each row whose id falls in those columns (0.0 elsewhere)."""
+    V = logits.shape[1]
+    stats = [canonical.tile_stats(scaled(logits[chunk], inv_temperature), tile_width, entropy)
+             for chunk in row_chunks(rows, V, tile_width, logits.shape[0])]
+    empty = logits.new_zeros((0, -(-V // tile_width)), dtype=torch.float32)
+    m, s, *u = (torch.cat([st[i] for st in stats]) if stats else empty for i in range(2 + entropy))
+    local = ids - lo
+    owned = (local >= 0) & (local < V)
+    selected = torch.where(owned, scaled(logits[rows, local.clamp(0, V - 1)], inv_temperature), 0.0)
+    return m, s, selected, *u
 
 
 def write_grad(grad: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, local_ids: torch.Tensor,
