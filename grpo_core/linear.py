@@ -10,7 +10,8 @@ This rank's active tokens go through in chunks of a fixed number of tokens. Per 
 canonical tile statistics and log-sum-exp of `vocab_parallel_logprob.py` (gathered over TP), the log-probs, and,
 when a gradient is wanted, `dz = coef * (onehot - softmax)` (`canonical.token_coef`, the advantages and the
 normalizer's token weights being known before the pass), cast to the weight's dtype a slice of vocabulary columns at
-a time (`SLICE_COLUMNS`), each slice then folded into `dH += dz W` and `dW += dz^T h` (and the bias' column sums).
+a time (`SLICE_COLUMNS`; over TP the rank's whole shard), each slice then folded into `dH += dz W` and `dW += dz^T h`
+(and the bias' column sums).
 Three matmuls per token, nothing recomputed (GSPO's `importance_sampling_level="sequence"`, the off-policy mask and
 vespo: four, the logits computed twice, since a token's coefficient needs every log-prob of its sequence; the first
 pass computes only the log-probs); the gradients are ready when the forward returns and are scaled by `grad_output`
@@ -69,9 +70,9 @@ TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the
 # logits buffer (2.5 GB at V = 151936). No bit depends on it (dW's fold continues across chunks on K-step
 # boundaries); 2048 halves the buffer but reads and writes the fp32 dW accumulator twice as often (4.4 GB a chunk
 # at H = 3584)
-SLICE_COLUMNS = 32768  # the most vocabulary columns of a chunk's dz buffer (256 MiB in bf16 at 4096 tokens), and of
-# its logits when they are not kept for dz (the reference's, and without gradients). No bit depends on it
-# (`_slices`); at V = 151936 a whole dz took 1.2 GB, whole logits 2.5 GB
+SLICE_COLUMNS = 32768  # the most vocabulary columns of a chunk's dz buffer at TP = 1 (256 MiB in bf16 at 4096 tokens;
+# over TP, dz is the rank's whole shard), and of its logits when they are not kept for dz (the reference's, and
+# without gradients). No bit depends on it (`_slices`); at V = 151936 a whole dz took 1.2 GB, whole logits 2.5 GB
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 MAX_TRITON_TILE = 4096  # the row kernels' largest tile
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
@@ -289,7 +290,8 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
 
 
 def _slices(V: int, step: int) -> list[tuple[int, int]]:
-    """`V` columns in slices of `SLICE_COLUMNS` at most, each but the last a whole number of `step`s: for `dz`, of
+    """`V` columns in slices of `SLICE_COLUMNS` at most (one `step` where a step is wider), each but the last a whole
+    number of `step`s: for `dz`, of
     the `dH` fold's steps (the fold continued from slice to slice is the fold over the whole row:
     `triton/matmul.py`); for the logits, of tiles (a tile's statistics are of its own columns alone)."""
     width = max(step, SLICE_COLUMNS // step * step)
