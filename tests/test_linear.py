@@ -7,6 +7,7 @@ and requires it to move a bit, so that the comparison is shown able to fail."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from unittest import mock
 
 import pytest
@@ -390,7 +391,6 @@ def test_vocabulary_slices_change_no_bit(kernels, over):
 def test_one_logits_buffer_is_alive_at_a_time(kernels, call):
     """The largest buffer, a chunk's `[chunk, V]` fp32 logits: each one is gone before the next is made (the next
     chunk's, or the policy's after the reference's), with and without gradients."""
-    import weakref
     inp = make(B=8, T=12, seed=6)
     cls = linear.TritonKernels if kernels == "triton" else linear.TorchKernels
     made, logits = [], cls.logits
