@@ -2,9 +2,10 @@
 
     python benchmarks/benchmark_linear_grpo_loss.py --configs "8x1024,3584,151936;32x2048,3584,151936"
 
-Floor: the bf16 matmul rate R measured here (`torch.mm` of 8192^3), `3 * 2NHV / R` for forward+backward with
+Floors: the bf16 matmul rate R measured here (`torch.mm` of 8192^3), `3 * 2NHV / R` for forward+backward with
 gradients for the hidden states and the weight (logits, dH, dW), `2NHV / R` for the log-prob forward (and once
-more per reference forward: `ref_hidden`). Backends: `linear` (ours: `grpo_core.linear`, Triton kernels, the
+more per reference forward: `ref_hidden`); and cuBLAS at the op's own GEMM shapes (`own_floor`: `torch.mm` on each
+chunk's three products, `floor_own_ms`). Backends: `linear` (ours: `grpo_core.linear`, Triton kernels, the
 contract path at 1x1), `matmul_then_triton` (`h @ W.T` in torch, then our fast Triton op on the materialized
 logits), `native` (`h @ W.T`, then the native op), and Liger's `LigerFusedLinearGRPOLoss` (what TRL's
 `use_liger_kernel=True` runs) when it imports. beta 0 is TRL's default; beta 0.04 takes `ref_logps`. `*_gspo`:
@@ -55,6 +56,23 @@ def matmul_rate(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
     return 2 * n**3 / (ms * 1e-3)
+
+
+def own_floor(N: int, H: int, V: int, chunk: int = TRITON_CHUNK) -> tuple[float, float]:
+    """cuBLAS (`torch.mm`, bf16 out, median) at the fused loss's own GEMM shapes, summed over its chunks of `chunk`
+    of the `N` tokens: per chunk of `c` tokens the logits `[c, H] @ [H, V]` (`h @ W.T`), dH `[c, V] @ [V, H]`
+    (`dz @ W`) and dW `[V, c] @ [c, H]` (`dz.T @ h`). `(log-prob forward ms, forward+backward ms)`: the chunks'
+    logits products, and all three."""
+    sizes = [chunk] * (N // chunk) + [N % chunk] * (N % chunk > 0)
+    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16)
+    ms = {}
+    for c in set(sizes):
+        h = torch.randn(c, H, device="cuda", dtype=torch.bfloat16)
+        dz = torch.randn(c, V, device="cuda", dtype=torch.bfloat16)
+        ms[c] = [do_bench(f, warmup=10, rep=100, return_mode="median")
+                 for f in (lambda: h @ w.T, lambda: dz @ w, lambda: dz.T @ h)]
+        del h, dz
+    return sum(ms[c][0] for c in sizes), sum(sum(ms[c]) for c in sizes)
 
 
 def inputs(B: int, T: int, H: int, V: int, active: float, seed: int = 0) -> dict:
@@ -200,6 +218,9 @@ def main() -> None:
         i = inputs(B, T, H, V, args.active)
         N = int(i["mask"].sum())
         flops = 2 * N * H * V
+        own = dict(zip(("logprob_fwd", "fwd_bwd"), own_floor(N, H, V)))
+        print(f"{B}x{T},{H},{V}: cuBLAS at the op's shapes: logits {own['logprob_fwd']:.2f} ms, all three "
+              f"{own['fwd_bwd']:.2f} ms ({3 * flops / own['fwd_bwd'] / 1e9:.1f} TFLOP/s)", flush=True)
         for beta in (float(b) for b in args.betas.split(",")):
             runs = {**backends(beta), **(logprob_backends() if beta == 0 else {})}  # log-probs: once per config
             for name, fn in runs.items():
@@ -224,16 +245,18 @@ def main() -> None:
                 rows.append(dict(op="linear_grpo_loss", backend=name, mode=mode, config=f"{B}x{T},{H},{V}",
                                  beta=beta, B=B, T=T, H=H, V=V, dtype="bf16", active=N / (B * T), p50_ms=p50,
                                  p20_ms=p20, p80_ms=p80, peak_extra_mib=peak, floor_ms=floor,
-                                 ratio_to_floor=p50 / floor, matmul_tflops=rate / 1e12, chunk_tokens=TRITON_CHUNK,
+                                 ratio_to_floor=p50 / floor, floor_own_ms=own[mode], ratio_to_own=p50 / own[mode],
+                                 matmul_tflops=rate / 1e12, chunk_tokens=TRITON_CHUNK,
                                  block=f"{mm.BLOCK_M}x{mm.BLOCK_N}x{mm.BLOCK_K}/{mm.NUM_WARPS}w/{mm.NUM_STAGES}s",
                                  **prov))
                 print(f"{name:20s} {mode:11s} {B}x{T},{H},{V} beta={beta:<5} p50 {p50:9.2f} ms  floor {floor:8.2f}"
-                      f"  x{p50 / floor:5.2f}  peak {peak / 1024:7.2f} GiB", flush=True)
+                      f"  x{p50 / floor:5.2f}  own {own[mode]:8.2f} x{p50 / own[mode]:5.2f}"
+                      f"  peak {peak / 1024:7.2f} GiB", flush=True)
                 h.grad = w.grad = None
         del i
         torch.cuda.empty_cache()
         report(rows, args.out, ["config", "beta", "backend", "mode", "p50_ms", "floor_ms", "ratio_to_floor",
-                                "peak_extra_mib"])  # per config: a run cut short keeps what it measured
+                                "ratio_to_own", "peak_extra_mib"])  # per config: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ class TritonKernels:
     def logits(self, h, w, b):  # rows padded to 8 columns: 16-byte aligned, the row kernel's aligned loads
         V = w.shape[0]
         z = torch.empty((h.shape[0], -(-V // 8) * 8), dtype=torch.float32, device=h.device)[:, :V]
-        return self.mm(h, w.T, z, bias=b)
+        return self.mm(h, w.T, z, bias=b, tma=False)  # pointer loads: faster than TMA here (matmul.py's A/B)
 
     def stats(self, z, ids, lo, width, inv, entropy: bool = False):
         mask = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
@@ -194,8 +194,8 @@ class TritonKernels:
     def dhidden(self, dz, w, acc, width):
         return self.mm(dz, w, acc, accumulate=True, block_k=self.fold_step(width))
 
-    def dweight(self, dz, h, acc):  # pointer loads: the transposed TMA load was slower here (matmul.py)
-        self.mm(dz.T, h, acc, accumulate=True, tma=False)
+    def dweight(self, dz, h, acc):
+        self.mm(dz.T, h, acc, accumulate=True)
 
 
 def _check_kernels(choice: Any) -> str:

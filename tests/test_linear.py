@@ -348,6 +348,29 @@ def test_tma_and_pointer_loads_give_the_same_bits(dtype):
         assert_bitwise_equal(one, two, f"{tuple(a.shape)} @ {tuple(b.shape)}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_persistent_matmuls_programs_change_no_bit(dtype):
+    """`triton/matmul.py`'s programs each walk several output tiles: one program, a few, or one per tile (as many as
+    there are tiles), the same bits, for each of the three products the loss runs, with a bias and ragged edges."""
+    from grpo_core.triton import matmul as mm
+    g = torch.Generator(device=DEV).manual_seed(0)
+    C, H, V = (1000, 520, 3000) if HAS_CUDA else (70, 130, 150)
+    h = torch.randn(C, H, device=DEV, generator=g).to(dtype)
+    w = torch.randn(V, H, device=DEV, generator=g).to(dtype)
+    bias = torch.randn(V, device=DEV, generator=g).to(dtype)
+    dz = (torch.randn(C, V, device=DEV, generator=g) * 1e-2).to(dtype)
+    for a, b, acc, b_ in ((h, w.T, False, bias), (dz, w, True, None), (dz.T, h, True, None)):
+        tiles = -(-a.shape[0] // mm.BLOCK_M) * -(-b.shape[1] // mm.BLOCK_N)
+        start = torch.randn(a.shape[0], b.shape[1], device=DEV, generator=g)
+        outs = []
+        for programs in (tiles, 1, 2, 5):
+            with mock.patch.object(mm, "_programs", lambda device, p=programs: p):
+                outs.append(mm.matmul(a, b, start.clone(), accumulate=acc, bias=b_, block_k=32))
+        assert tiles > 5
+        for programs, out in zip((1, 2, 5), outs[1:]):
+            assert_bitwise_equal(out, outs[0], f"{tuple(a.shape)} @ {tuple(b.shape)}, {programs} programs")
+
+
 def test_the_triton_chunk_size_changes_no_bit():
     """With the Triton kernels the chunk is free: a logit, a `dH` row and the `dW` fold (continued across chunks on
     K-step boundaries) are the same bits in chunks of 64 tokens as in one chunk."""

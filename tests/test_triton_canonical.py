@@ -362,3 +362,12 @@ def test_every_layout_with_the_triton_kernels_gives_the_single_rank_reference_bi
     results = run_world(_world, 4, device=DEV, timeout_s=600,
                         memory_fraction=0.1 if DEV == "cuda" else None)
     assert [f for r in results for f in r] == []
+
+
+def test_the_host_sizes_are_tritons():
+    """`launch.cdiv` and `launch.next_power_of_2`, the host's own, give Triton's constexpr functions' values."""
+    from grpo_core.triton.launch import cdiv, next_power_of_2
+    for n in [*range(0, 4100), 2**31 - 1, 2**31, 2**31 + 1, 151936 * 8192]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 7, 64, 1024):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -38,7 +38,7 @@ import triton.language as tl
 from .. import canonical as C
 from ..contract import AdvantageStd, Surrogate, TokenNormalizer
 from .group_norm import FP32_MAX_TL, MODES, group_tensors
-from .launch import SURROGATES, finish_options, pick, twins
+from .launch import SURROGATES, cdiv, finish_options, next_power_of_2, pick, twins
 
 # Settings from one H200 sweep (benchmarks/README.md, 2026-11-30), bf16 32x256x32768 / 16x1024x151936: the row kernel
 # with (4096 columns, 4 warps) took 0.554 / 5.05 ms against 0.574 / 5.13 with (2048, 2) and 0.569 / 5.14 with (8192, 8);
@@ -945,7 +945,7 @@ def _map(x: torch.Tensor, sigmoid: bool) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()
     y = torch.empty_like(x)
     if x.numel():
-        _map_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), SIGMOID=sigmoid, BLOCK=1024, **_fp())
+        _map_kernel[(cdiv(x.numel(), 1024),)](x, y, x.numel(), SIGMOID=sigmoid, BLOCK=1024, **_fp())
     return y
 
 
@@ -973,7 +973,7 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
     tiles = -(-V // width)
     sel = torch.empty(2, N, dtype=torch.float32, device=x.device)
     stats = torch.empty(2, 2 + entropy, N, tiles, dtype=torch.float32, device=x.device)
-    nt = max(1, min(CHUNK // width, triton.next_power_of_2(tiles)))
+    nt = max(1, min(CHUNK // width, next_power_of_2(tiles)))
     shifts = (_shifts(x, nt * width), _shifts(r, nt * width))
     periods = [_period(t, n) for t, n in zip((x, r), shifts)]
     if N:
@@ -991,9 +991,9 @@ def merge_blocks(N: int, tiles: int) -> tuple[int, int, int]:
     """The merge kernel's `(ROWS, BT, CHUNKS)` for `N` rows of `tiles` statistics: blocks of BT tiles, a power of two
     up to MERGE_TILES (more where a row would take over MERGE_CHUNKS blocks). `BT * CHUNKS` is the row's tiles padded
     to a power of two, so the kernel's tree, BT's then CHUNKS', is `canonical.merge_stats`'s node for node."""
-    bt = min(MERGE_BLOCK, triton.next_power_of_2(max(tiles, 1)),
-             max(MERGE_TILES, triton.next_power_of_2(-(-tiles // MERGE_CHUNKS))))
-    return min(MERGE_BLOCK // bt, triton.next_power_of_2(max(N, 1))), bt, triton.next_power_of_2(-(-tiles // bt))
+    bt = min(MERGE_BLOCK, next_power_of_2(max(tiles, 1)),
+             max(MERGE_TILES, next_power_of_2(-(-tiles // MERGE_CHUNKS))))
+    return min(MERGE_BLOCK // bt, next_power_of_2(max(N, 1))), bt, next_power_of_2(-(-tiles // bt))
 
 
 def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False, selected: torch.Tensor | None = None
@@ -1011,10 +1011,10 @@ def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False, se
     ent = torch.empty(N, dtype=torch.float32, device=stats.device) if entropy else lse  # (lse: not written)
     rows, bt, chunks = merge_blocks(N, tiles)
     if N and K:
-        _merge_kernel[(triton.cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, ent,
-                                                 lse if selected is None else selected, N, tiles, N * tiles,
-                                                 ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks, LOG2C=_log2(chunks),
-                                                 ENTROPY=entropy, LOGP=selected is not None, **_fp())
+        _merge_kernel[(cdiv(N, rows), K)](stats.contiguous(), mask.reshape(-1).contiguous(), lse, ent,
+                                          lse if selected is None else selected, N, tiles, N * tiles,
+                                          ROWS=rows, BT=bt, LOG2BT=_log2(bt), CHUNKS=chunks, LOG2C=_log2(chunks),
+                                          ENTROPY=entropy, LOGP=selected is not None, **_fp())
     return (lse, ent) if entropy else lse
 
 
@@ -1033,8 +1033,8 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
     B, T = mask.shape
     out = torch.empty(3, B, dtype=torch.float32, device=logp.device)
     ints = torch.empty(3, B, dtype=torch.int64, device=logp.device)
-    block = min(BLOCK_T, triton.next_power_of_2(max(T, 1)))
-    chunks = triton.next_power_of_2(max(1, -(-T // block)))
+    block = min(BLOCK_T, next_power_of_2(max(T, 1)))
+    chunks = next_power_of_2(max(1, -(-T // block)))
     if B:
         _sequence_kernel[(B,)](logp.contiguous(), (logp_ref if logp_ref is not None else logp).contiguous(),
                                old.to(torch.float32).contiguous(), mask.contiguous(), ids.contiguous(),
@@ -1052,7 +1052,7 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
 
 @functools.lru_cache(maxsize=64)
 def _largest_group(groups: tuple[int, ...]) -> int:
-    return triton.next_power_of_2(max(hi - lo for lo, hi in zip(groups, groups[1:])))
+    return next_power_of_2(max(hi - lo for lo, hi in zip(groups, groups[1:])))
 
 
 def group_advantages(rewards: torch.Tensor, groups: tuple[int, ...], std: AdvantageStd) -> torch.Tensor:
@@ -1074,8 +1074,8 @@ def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: Toke
     out = torch.empty(6, dtype=torch.float32, device=sums.device)
     w = torch.empty(S, dtype=torch.float32, device=sums.device)
     flag = torch.empty((), dtype=torch.int64, device=sums.device)
-    block = min(BLOCK_S, triton.next_power_of_2(max(S, 1)))
-    chunks = triton.next_power_of_2(max(1, -(-S // block)))
+    block = min(BLOCK_S, next_power_of_2(max(S, 1)))
+    chunks = next_power_of_2(max(1, -(-S // block)))
     _finish_kernel[(1,)](sums.contiguous(), ints.contiguous(), out, w, flag, S, beta, constant, MEANS=means,
                          DENOM=denom, BLOCK=block, LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks),
                          **_fp())
@@ -1099,7 +1099,7 @@ def grad(policy: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, logp: torc
     N, V = x.shape
     g = torch.empty((N, V), dtype=policy.dtype, device=policy.device) if out is None else out
     bf16_bits = _INTERPRET and g.dtype == torch.bfloat16
-    block = min(GRAD_BLOCK, triton.next_power_of_2(V))
+    block = min(GRAD_BLOCK, next_power_of_2(V))
     if N and V:
         pick(_GRAD, V, x.stride(0), g.stride(0))[(N,)](
             x, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), logp.contiguous(),

@@ -45,7 +45,7 @@ from ..contract import (DEFAULT_VOCAB_TILE, AdvantageStd, LossContractError, Sur
 from .canonical import exp_of, merge_lse, row_stats
 from .group_norm import FP32_MAX_TL, MODES, group_stats, group_tensors
 from .group_norm import BLOCK as GROUP_BLOCK
-from .launch import SURROGATES, finish_options, pick, twins
+from .launch import SURROGATES, finish_options, next_power_of_2, pick, twins
 from .ratio_kl import _f32, block, check_values_after, flat, launch_forward, launch_grad
 
 BLOCK_T = 1024
@@ -286,9 +286,9 @@ def _forward(launch, policy, ref, ids, mask, old, source, bounds, group_of, std,
             lo, hi, delta, tau_pos, tau_neg, STD_FLOOR, STD_EPS, HAS_REF=ref is not None or ref_logps is not None,
             HAS_IS=is_ratio is not None, BIAS_KL=bias_kl, SURROGATE=surrogate, GIVEN_RATIO=ratio is not None,
             SUMS=sums, CHECK_MASK=mask.dtype != torch.bool, GIVEN=given, TOKEN_ADV=source.dim() == 2, MODE=std,
-            BLOCK=min(BLOCK_T, triton.next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
+            BLOCK=min(BLOCK_T, next_power_of_2(max(T, 1))), BLOCK_G=GROUP_BLOCK)
         launch(_finish_kernel)[(1,)](seq, counts, weight, scalars, flags, B, beta, constant, MEANS=means,
-                                     DENOM=denom, SUMS=sums, BLOCK=min(1024, triton.next_power_of_2(B)))
+                                     DENOM=denom, SUMS=sums, BLOCK=min(1024, next_power_of_2(B)))
 
     if single_pass or weigh is not None:  # the gradient coefficient or the weights need the advantages first
         sequences(old, False)  # `old` stands in for the log-probs, which this pass does not read

@@ -1,5 +1,5 @@
-"""What both kernel modules launch with: kernel twins (one specialized by Triton, one not, for the degenerate shapes
-that break specialization), the finish kernels' normalizer options and the per-token term's code."""
+"""What the kernel modules launch with: kernel twins (one specialized by Triton, one not, for the degenerate shapes
+that break specialization), host sizes, the finish kernels' normalizer options and the per-token term's code."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ def twins(fn, names: list[str]) -> tuple:
 def pick(kernels: tuple, *sizes: int):
     """The general twin when any of `sizes` (V, row strides) is 0 or 1, else the specialized one."""
     return kernels[1] if min(sizes) <= 1 else kernels[0]
+
+
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for the host: Triton's is a constexpr function, whose wrapper costs microseconds a call."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for the host (0 for 0), without the constexpr function's wrapper."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def finish_options(normalizer: TokenNormalizer, constant: float | None, B: int) -> tuple[bool, str, float]:

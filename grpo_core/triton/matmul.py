@@ -9,9 +9,12 @@ call would have made, provided the split falls on a multiple of `block_k` (vocab
 token chunks are multiples of `BLOCK_K`). How the tensor cores add within one step is the architecture's: these
 bits are per GPU architecture, not the canonical math's.
 
-Operands reach shared memory by the tensor memory accelerator on Hopper and later (`tma=True`, where the layout
-allows: 16-bit operands, rows 16-byte aligned), else by pointer loads; the tiles, the K order and the tensor-core
-instructions are the same either way, and so are the bits (`tests/test_linear.py` checks it on the GPU).
+The kernel is persistent: one program per streaming multiprocessor (`_programs`), each walking the output tiles
+`programs` apart (faster than a program per tile on every product of the loss: the A/B below). Which program takes
+a tile, and in which order, changes no bit. Operands reach shared memory by the tensor memory accelerator on Hopper
+and later (`tma=True`, where the layout allows: 16-bit operands, rows 16-byte aligned), else by pointer loads; the
+tiles, the K order and the tensor-core instructions are the same either way, and so are the bits
+(`tests/test_linear.py` checks it on the GPU).
 
 Under the interpreter `tl.dot` is a BLAS call whose order of adds depends on a row's place in the tile (and which
 cannot take bf16): there each step adds the fp32 products one K after the other instead, on smaller tiles (the
@@ -20,19 +23,23 @@ interpreter's largest block holds 2**20 elements).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-# One H200 sweep (bf16, 4096 tokens x H 3584 x V 151936, TFLOP/s logits / dH / dW; torch.mm 721 / 675 / 678):
-# pointer loads 128x128x64 8 warps 3 stages 453 / 487 / 457, 128x256x64 575 / 623 / 616; TMA 128x256x64 3 stages
-# 672 / 659 / 597, 4 stages 663 / 668 / 616, 128x128x64 4 warps 4 stages 622 / 686 / 548.
+from .launch import cdiv
+
+# One H100 A/B (bf16, 4096 tokens, H 3584, V 151936, dz slices of 32768 columns; TFLOP/s logits / dH / dW; torch.mm
+# at the same shapes 761 / 696 / 713): one program per tile, TMA 664 / 689 and pointer loads on dW 505; persistent,
+# pointer loads 677 / 539 / 494, TMA 652 / 703 / 630 (4 stages: 649 / 693 / 600). The same bits in every variant.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K = (32, 64, 64) if _INTERPRET else (128, 256, 64)  # the interpreter: its largest block
 NUM_WARPS, NUM_STAGES = 8, 3
 GROUP_M = 8  # output tiles walked in groups of rows (L2 reuse); the order of programs never changes a bit
+INTERPRETER_PROGRAMS = 3  # the persistent loop under the interpreter (several tiles a program)
 
 
 @triton.jit
@@ -66,36 +73,45 @@ def _matmul_kernel(
     TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     INTERPRETED: tl.constexpr,  # under the interpreter: products in fp32, added in K order
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    rows_in_group = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
-    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
-    rm = m0.to(tl.int64) + tl.arange(0, BLOCK_M)
-    rn = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if ACCUMULATE:
-        acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = k * BLOCK_K
-        a = _load(a_ptr, m0, k0, M - m0, K - k0, stride_am, stride_ak, TMA, A_T, BLOCK_M, BLOCK_K)
-        b = _load(b_ptr, k0, n0, K - k0, N - n0, stride_bk, stride_bn, TMA, B_T, BLOCK_K, BLOCK_N)
-        if INTERPRETED:
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-        elif IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=False):
+        group = tile // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        rows_in_group = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % (GROUP_M * tiles_n)) % rows_in_group
+        pid_n = (tile % (GROUP_M * tiles_n)) // rows_in_group
+        m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+        rm = m0.to(tl.int64) + tl.arange(0, BLOCK_M)
+        rn = n0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        c_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if ACCUMULATE:
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
         else:
-            acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptrs, acc, mask=c_mask)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+            k0 = k * BLOCK_K
+            a = _load(a_ptr, m0, k0, M - m0, K - k0, stride_am, stride_ak, TMA, A_T, BLOCK_M, BLOCK_K)
+            b = _load(b_ptr, k0, n0, K - k0, N - n0, stride_bk, stride_bn, TMA, B_T, BLOCK_K, BLOCK_N)
+            if INTERPRETED:
+                acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+            elif IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptrs, acc, mask=c_mask)
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """The persistent kernel's programs: one per streaming multiprocessor (`INTERPRETER_PROGRAMS` off CUDA)."""
+    if _INTERPRET or device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -125,11 +141,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
     da = _descriptor(a, [BLOCK_M, block_k]) if tma else None
     db = _descriptor(b, [block_k, BLOCK_N]) if da is not None else None
     use_tma = db is not None
-    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
+    programs = _programs(a.device)
+    grid = (min(programs, cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)),)
     _matmul_kernel[grid](da[0] if use_tma else a, db[0] if use_tma else b, out, bias if bias is not None else out,
                          M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
                          ACCUMULATE=accumulate, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
                          TMA=use_tma, A_T=use_tma and da[1], B_T=use_tma and db[1], INTERPRETED=_INTERPRET,
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
-                         num_stages=NUM_STAGES)
+                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, GROUP_M=GROUP_M, PROGRAMS=programs,
+                         NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

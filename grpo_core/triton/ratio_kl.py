@@ -27,7 +27,7 @@ from torch.library import triton_op, wrap_triton
 from .. import canonical, pending
 from ..checks import check_derived_advantages, check_inputs, check_logprobs, check_loss, stand_in
 from ..contract import LossContractError
-from .launch import pick, twins
+from .launch import next_power_of_2, pick, twins
 
 # One program per token row, thousands of rows in flight. Defaults from the H200 sweeps in benchmarks/README.md
 # (4 warps x 4096-wide chunks x 3 stages were best on average over V = 32768 .. 151936); overridable for sweeps.
@@ -397,7 +397,7 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 def block(V: int) -> int:
     """Columns per chunk: at least 16, one 16-byte vector of any logits dtype, so that the aligned chunks of
     `_rows_lse` / `_write_grad` never start more than one chunk before a row."""
-    return max(16, min(BLOCK_V, triton.next_power_of_2(V)))
+    return max(16, min(BLOCK_V, next_power_of_2(V)))
 
 
 def launch_forward(launch, policy, ref, ids, mask, err, old=None, adv=None, weight=None, grad=None, lo=0.0,
