@@ -71,7 +71,6 @@ def own_floor(N: int, H: int, V: int, chunk: int = TRITON_CHUNK) -> tuple[float,
         dz = torch.randn(c, V, device="cuda", dtype=torch.bfloat16)
         ms[c] = [do_bench(f, warmup=10, rep=100, return_mode="median")
                  for f in (lambda: h @ w.T, lambda: dz @ w, lambda: dz.T @ h)]
-        del h, dz
     return sum(ms[c][0] for c in sizes), sum(sum(ms[c]) for c in sizes)
 
 
@@ -230,7 +229,7 @@ def main() -> None:
                 h = i["hidden"].detach().requires_grad_(not forward_only)
                 w = i["weight"].detach().requires_grad_(not forward_only)
 
-                def run(h=h, w=w, fn=fn, forward_only=forward_only):
+                def run(h=h, w=w, fn=fn, forward_only=forward_only, i=i):
                     out = fn(i, h, w)
                     if not forward_only:
                         out.backward()

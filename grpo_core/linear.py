@@ -263,7 +263,7 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
             lse, sel, *chunk_ent = _lse(k, _sliced_logits(k, h, weight, bias), tiles, a, lp, tp_group, inv, entropy)
         else:  # dz reads the whole chunk's logits
             z = k.logits(h, weight, bias)
-            lse, sel, *chunk_ent = _lse(k, lambda u, v: z, [(0, V)], a, lp, tp_group, inv, entropy)
+            lse, sel, *chunk_ent = _lse(k, lambda u, v, z=z: z, [(0, V)], a, lp, tp_group, inv, entropy)
         logp[start:stop] = sel - lse
         if entropy:
             ent[start:stop] = chunk_ent[0]
@@ -277,7 +277,8 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
         for u, v in _slices(V, k.fold_step(lp.tile_width)) if len(lp.vocab_shard_bounds) == 1 else [(0, V)]:
             dz = k.dz(z[:, u:v], a, lo + u, lse, logp[start:stop], c, inv, weight.dtype)
             if dh is not None:
-                acc = _fold_over_tp(lambda acc: k.dhidden(dz, weight[u:v], acc, lp.tile_width), acc, lp, tp_group)
+                acc = _fold_over_tp(lambda acc, dz=dz, w=weight[u:v]: k.dhidden(dz, w, acc, lp.tile_width), acc, lp,
+                                    tp_group)
             if dw is not None:
                 k.dweight(dz, h, dw[u:v])
             if db is not None:
