@@ -10,8 +10,9 @@ token chunks are multiples of `BLOCK_K`). How the tensor cores add within one st
 bits are per GPU architecture, not the canonical math's.
 
 The kernel is persistent: one program per streaming multiprocessor (`_programs`), each walking the output tiles
-`programs` apart (faster than a program per tile on every product of the loss: the A/B below). Which program takes
-a tile, and in which order, changes no bit. Operands reach shared memory by the tensor memory accelerator on Hopper
+`programs` apart (faster than a program per tile on each product of the loss at H = 3584: the A/B below; over the
+whole loss 5-8% faster at H = 1536 and 3584, 2% slower at H = 896: benchmarks/README.md). Which program takes a tile,
+and in which order, changes no bit. Operands reach shared memory by the tensor memory accelerator on Hopper
 and later (`tma=True`, where the layout allows: 16-bit operands, rows 16-byte aligned), else by pointer loads; the
 tiles, the K order and the tensor-core instructions are the same either way, and so are the bits
 (`tests/test_linear.py` checks it on the GPU).
