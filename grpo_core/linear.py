@@ -292,9 +292,8 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
 
 def _slices(V: int, step: int) -> list[tuple[int, int]]:
     """`V` columns in slices of `SLICE_COLUMNS` at most (one `step` where a step is wider), each but the last a whole
-    number of `step`s: for `dz`, of
-    the `dH` fold's steps (the fold continued from slice to slice is the fold over the whole row:
-    `triton/matmul.py`); for the logits, of tiles (a tile's statistics are of its own columns alone)."""
+    number of `step`s: for `dz`, of the `dH` fold's steps (the fold continued from slice to slice is the fold over
+    the whole row: `triton/matmul.py`); for the logits, of tiles (a tile's statistics are of its own columns alone)."""
     width = max(step, SLICE_COLUMNS // step * step)
     return [(u, min(V, u + width)) for u in range(0, V, width)]
 
