@@ -371,6 +371,38 @@ def test_the_persistent_matmuls_programs_change_no_bit(dtype):
             assert_bitwise_equal(out, outs[0], f"{tuple(a.shape)} @ {tuple(b.shape)}, {programs} programs")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_matmuls_statistics_are_the_row_kernels_over_the_stored_logits(dtype):
+    """`matmul_stats` (the tile statistics and selected logits from the accumulator, the logits never stored) gives
+    the bits of `row_stats` over the stored logits: every tile width that fits the output tile, a bias, a temperature,
+    the entropy sums, ragged edges (a last tile of 6 columns, rows past the last block), ids in and outside the
+    columns, several tiles a program; and refuses a width that does not fit."""
+    from grpo_core.triton import canonical as rows, matmul as mm
+    g = torch.Generator(device=DEV).manual_seed(1)
+    C, H, V, lo = (1000, 520, 3014, 640) if HAS_CUDA else (70, 40, 166, 32)
+    h = torch.randn(C, H, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(V, H, device=DEV, generator=g) * 3).to(dtype)
+    bias = torch.randn(V, device=DEV, generator=g).to(dtype)
+    ids = torch.randint(lo - 40, lo + V + 40, (C,), device=DEV, generator=g)
+    ids[:4] = torch.tensor([lo, lo + V - 1, lo - 1, lo + V])  # the first and last columns, and just outside
+    ones = torch.ones(C, dtype=torch.bool, device=DEV)
+    widths = [wd for wd in (16, 32, 64, 128, 256) if mm.stats_fit(wd)]
+    assert len(widths) >= 3 and not mm.stats_fit(2 * mm.BLOCK_N) and not mm.stats_fit(48)
+    options = [(1.0 / 0.7, True, bias), (1.0, False, None), (1.0, True, bias)]  # (inv, entropy, bias), in turn
+    z = {id(b): mm.matmul(h, w.T, bias=b) for b in (None, bias)}
+    for i, width in enumerate(widths):
+        inv, entropy, b = options[i % len(options)]
+        sel, stats = rows.row_stats(z[id(b)], None, ids, ones, lo, width, inv, entropy)
+        got = mm.matmul_stats(h, w.T, ids, lo, width, inv, entropy, bias=b)
+        want = (stats[0, 0], stats[0, 1], sel[0], *stats[0, 2:])
+        assert len(got) == len(want) == 3 + entropy
+        for name, x, y in zip(("max", "sum", "selected", "entropy"), got, want):
+            assert_bitwise_equal(x, y, f"width {width}, inv {inv}, {name}")
+    assert int(((ids >= lo) & (ids < lo + V)).sum()) < C  # some ids outside: their selected value is 0.0
+    with pytest.raises(ValueError, match="width: expected a power of two"):
+        mm.matmul_stats(h, w.T, ids, lo, 48)
+
+
 def test_the_triton_chunk_size_changes_no_bit():
     """With the Triton kernels the chunk is free: a logit, a `dH` row and the `dW` fold (continued across chunks on
     K-step boundaries) are the same bits in chunks of 64 tokens as in one chunk."""
@@ -392,21 +424,31 @@ def test_the_triton_chunk_size_changes_no_bit():
 def test_vocabulary_slices_change_no_bit(kernels, over):
     """`dz`, and the logits not kept for it (the reference's, the log-probs'), a slice of vocabulary columns at a
     time (`linear.SLICE_COLUMNS`; here slices of 48, 48, 48 and 16 columns: whole tiles of 16, whole steps of the dH
-    fold): the same bits of every field, every gradient and `linear_logprobs` as with the whole row in one slice."""
+    fold): the same bits of every field, every gradient and `linear_logprobs` as with the whole row in one slice.
+    Triton: the slices' statistics come from the matmul's accumulator (`matmul_stats`); the same bits again with
+    the logits stored and read by the row kernel."""
+    from grpo_core.triton import matmul as mm
     inp = make(B=4, T=5, V=160, seed=5)
     logprobs = lambda: linear_logprobs(inp["ref_hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"],
                                        bias=inp["bias"], vocab_tile=16, kernels=kernels, temperature=0.7)
     one, g_one = run(inp, kernels, vocab_tile=16, **over)
     lp_one = logprobs()
-    with mock.patch.object(linear, "SLICE_COLUMNS", 56):
-        assert linear._slices(160, 16) == [(0, 48), (48, 96), (96, 144), (144, 160)]
-        many, g_many = run(inp, kernels, vocab_tile=16, **over)
-        lp_many = logprobs()
-    for f in FIELDS:
-        assert_bitwise_equal(getattr(many, f), getattr(one, f), f)
-    for a, b, name in zip(g_many, g_one, "hwb"):
-        assert_bitwise_equal(a, b, f"d {name}")
-    assert_bitwise_equal(lp_many, lp_one, "linear_logprobs")
+    variants = [mock.patch.object(linear, "SLICE_COLUMNS", 56)]
+    if kernels == "triton":
+        assert mm.stats_fit(16)
+        variants.append(mock.patch.object(mm, "stats_fit", lambda width: False))
+    for variant in variants:
+        with variant, mock.patch.object(mm, "matmul_stats", wraps=mm.matmul_stats) as spy:
+            assert linear._slices(160, 16) == ([(0, 48), (48, 96), (96, 144), (144, 160)]
+                                               if variant is variants[0] else [(0, 160)])
+            many, g_many = run(inp, kernels, vocab_tile=16, **over)
+            lp_many = logprobs()
+        assert spy.called == (kernels == "triton" and variant is variants[0])
+        for f in FIELDS:
+            assert_bitwise_equal(getattr(many, f), getattr(one, f), f)
+        for a, b, name in zip(g_many, g_one, "hwb"):
+            assert_bitwise_equal(a, b, f"d {name}")
+        assert_bitwise_equal(lp_many, lp_one, "linear_logprobs")
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -425,7 +467,9 @@ def test_one_logits_buffer_is_alive_at_a_time(kernels, call):
         made.append(weakref.ref(z))
         return z
 
-    with mock.patch.object(cls, "logits", tracked), mock.patch.object(cls, "chunk", 64):
+    from grpo_core.triton import matmul as mm  # the logits stored, not only their statistics (`matmul_stats`)
+    with mock.patch.object(cls, "logits", tracked), mock.patch.object(cls, "chunk", 64), \
+            mock.patch.object(mm, "stats_fit", lambda width: False):
         if call == "logprobs":
             linear_logprobs(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"], kernels=kernels)
         else:

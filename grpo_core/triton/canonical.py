@@ -970,14 +970,14 @@ def row_stats(policy: torch.Tensor, ref: torch.Tensor | None, ids: torch.Tensor,
     x = _rows2d(policy)
     r = _rows2d(ref) if ref is not None else x
     N, V = x.shape
-    tiles = -(-V // width)
+    tiles = cdiv(V, width)
     sel = torch.empty(2, N, dtype=torch.float32, device=x.device)
     stats = torch.empty(2, 2 + entropy, N, tiles, dtype=torch.float32, device=x.device)
     nt = max(1, min(CHUNK // width, next_power_of_2(tiles)))
     shifts = (_shifts(x, nt * width), _shifts(r, nt * width))
     periods = [_period(t, n) for t, n in zip((x, r), shifts)]
     if N:
-        pick(_ROW, V, x.stride(0), r.stride(0))[(max(p * -(-N // p) for p in periods), 1 + (ref is not None))](
+        pick(_ROW, V, x.stride(0), r.stride(0))[(max(p * cdiv(N, p) for p in periods), 1 + (ref is not None))](
             x, r, ids.reshape(-1).contiguous(), mask.reshape(-1).contiguous(), sel, stats, N, V, x.stride(0),
             r.stride(0), lo, tiles, N * tiles, inv, *periods, SCALE=inv != 1.0, W=width, LOG2W=_log2(width), NT=nt,
             NT_TAIL=max(1, min(nt, max(TAIL_CHUNK, _vec(x), _vec(r)) // width)),  # a vector at least
@@ -992,8 +992,8 @@ def merge_blocks(N: int, tiles: int) -> tuple[int, int, int]:
     up to MERGE_TILES (more where a row would take over MERGE_CHUNKS blocks). `BT * CHUNKS` is the row's tiles padded
     to a power of two, so the kernel's tree, BT's then CHUNKS', is `canonical.merge_stats`'s node for node."""
     bt = min(MERGE_BLOCK, next_power_of_2(max(tiles, 1)),
-             max(MERGE_TILES, next_power_of_2(-(-tiles // MERGE_CHUNKS))))
-    return min(MERGE_BLOCK // bt, next_power_of_2(max(N, 1))), bt, next_power_of_2(-(-tiles // bt))
+             max(MERGE_TILES, next_power_of_2(cdiv(tiles, MERGE_CHUNKS))))
+    return min(MERGE_BLOCK // bt, next_power_of_2(max(N, 1))), bt, next_power_of_2(cdiv(tiles, bt))
 
 
 def merge_lse(stats: torch.Tensor, mask: torch.Tensor, entropy: bool = False, selected: torch.Tensor | None = None
@@ -1034,7 +1034,7 @@ def sequence_sums(logp: torch.Tensor, logp_ref: torch.Tensor | None, old: torch.
     out = torch.empty(3, B, dtype=torch.float32, device=logp.device)
     ints = torch.empty(3, B, dtype=torch.int64, device=logp.device)
     block = min(BLOCK_T, next_power_of_2(max(T, 1)))
-    chunks = next_power_of_2(max(1, -(-T // block)))
+    chunks = next_power_of_2(max(1, cdiv(T, block)))
     if B:
         _sequence_kernel[(B,)](logp.contiguous(), (logp_ref if logp_ref is not None else logp).contiguous(),
                                old.to(torch.float32).contiguous(), mask.contiguous(), ids.contiguous(),
@@ -1075,7 +1075,7 @@ def finish(sums: torch.Tensor, ints: torch.Tensor, beta: float, normalizer: Toke
     w = torch.empty(S, dtype=torch.float32, device=sums.device)
     flag = torch.empty((), dtype=torch.int64, device=sums.device)
     block = min(BLOCK_S, next_power_of_2(max(S, 1)))
-    chunks = next_power_of_2(max(1, -(-S // block)))
+    chunks = next_power_of_2(max(1, cdiv(S, block)))
     _finish_kernel[(1,)](sums.contiguous(), ints.contiguous(), out, w, flag, S, beta, constant, MEANS=means,
                          DENOM=denom, BLOCK=block, LOG2B=_log2(block), CHUNKS=chunks, LOG2C=_log2(chunks),
                          **_fp())

@@ -17,6 +17,11 @@ and later (`tma=True`, where the layout allows: 16-bit operands, rows 16-byte al
 tiles, the K order and the tensor-core instructions are the same either way, and so are the bits
 (`tests/test_linear.py` checks it on the GPU).
 
+`matmul_stats` ends the same kernel with the row kernel's tile statistics of each output tile's rows
+(`canonical._tiles` on the accumulator, a tile of the vocabulary being a power of two that divides the output tile's
+256 columns) and each row's selected value, instead of storing C: the log-probs without the logits' fp32 round trip
+through memory, the same bits as `row_stats` over the stored logits.
+
 Under the interpreter `tl.dot` is a BLAS call whose order of adds depends on a row's place in the tile (and which
 cannot take bf16): there each step adds the fp32 products one K after the other instead, on smaller tiles (the
 interpreter's largest block holds 2**20 elements).
@@ -31,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .canonical import _max, _tiles
 from .launch import cdiv
 
 # One H100 A/B (bf16, 4096 tokens, H 3584, V 151936, dz slices of 32768 columns; TFLOP/s logits / dH / dW; torch.mm
@@ -62,15 +68,43 @@ def _load(ptr, row0, col0, rows_left, cols_left, stride_r, stride_c, TMA: tl.con
 
 
 @triton.jit
+def _stats(x, rm, n0, ids_ptr, sel_ptr, stats_ptr, M, N, lo, tiles, R: tl.constexpr, C: tl.constexpr,
+           W: tl.constexpr, LOG2W: tl.constexpr, ENTROPY: tl.constexpr):
+    """The tile statistics (`canonical._tiles`) of rows `rm` of an output tile `x` `[R, C]` (columns from `n0`,
+    scaled, -inf past N) to `stats_ptr`, and each row's value at its column `ids - lo` to `sel_ptr` where the tile
+    holds it."""
+    PER: tl.constexpr = C // W  # tiles per row
+    m, s, u = _tiles(tl.reshape(x, (R * PER, W)), 1.0, R * PER, W, LOG2W, False, False, ENTROPY)
+    t = n0 // W + tl.arange(0, PER)
+    offs = rm[:, None] * tiles + t[None, :]
+    ok = (rm[:, None] < M) & (t[None, :] < tiles)
+    plane = tl.cast(M, tl.int64) * tiles
+    tl.store(stats_ptr + offs, tl.reshape(m, (R, PER)), mask=ok)
+    tl.store(stats_ptr + plane + offs, tl.reshape(s, (R, PER)), mask=ok)
+    if ENTROPY:
+        tl.store(stats_ptr + 2 * plane + offs, tl.reshape(u, (R, PER)), mask=ok)
+    a = tl.load(ids_ptr + rm, mask=rm < M, other=-1) - lo
+    cols = n0 + tl.arange(0, C)
+    z = tl.reduce(tl.where(cols[None, :] == a[:, None], x, float("-inf")), 1, _max)  # the one column's value
+    tl.store(sel_ptr + rm, z, mask=(rm < M) & (a >= n0) & (a < n0 + C) & (a < N))
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr,  # A [M, K] (pointer with strides, or a TMA descriptor over A's row-major storage: A_T for A^T's)
     b_ptr,  # B [K, N] (likewise; B_T: over B^T's storage)
-    c_ptr,  # in/out: fp32 C [M, N] (ACCUMULATE: read first)
+    c_ptr,  # in/out: fp32 C [M, N] (ACCUMULATE: read first; not with STATS)
     bias_ptr,  # [N] added once at the end (HAS_BIAS)
+    ids_ptr,  # STATS: each row's column [M] (int64, minus `lo`), whose value goes to sel_ptr
+    sel_ptr,  # STATS, out: fp32 [M], the value at each row's column (times `inv`), where it lies in [0, N)
+    stats_ptr,  # STATS, out: fp32 [2 + ENTROPY, M, tiles], the tile statistics of each row times `inv`
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    lo, tiles, inv,  # STATS: the ids' offset, cdiv(N, W), the inverse temperature (fp32, SCALE)
     # Meta-parameters
     ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    STATS: tl.constexpr,  # C's tile statistics and selected values instead of C (`canonical.row_stats`' bits)
+    W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr, ENTROPY: tl.constexpr,  # STATS: as `_tiles`'s
     TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     INTERPRETED: tl.constexpr,  # under the interpreter: products in fp32, added in K order
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -104,7 +138,11 @@ def _matmul_kernel(
                 acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptrs, acc, mask=c_mask)
+        if STATS:  # the row kernel's tiles from the accumulator: columns past N are -inf, as its masked loads
+            x = tl.where(rn[None, :] < N, acc * inv if SCALE else acc, float("-inf"))
+            _stats(x, rm, n0, ids_ptr, sel_ptr, stats_ptr, M, N, lo, tiles, BLOCK_M, BLOCK_N, W, LOG2W, ENTROPY)
+        else:
+            tl.store(c_ptrs, acc, mask=c_mask)
 
 
 @functools.cache
@@ -128,6 +166,14 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return None
 
 
+def _launch(device: torch.device, M: int, N: int, *args, **meta) -> None:
+    """`_matmul_kernel` over an `[M, N]` output, one program per SM at most, with the one configuration."""
+    programs = _programs(device)
+    _matmul_kernel[(min(programs, cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)),)](
+        *args, INTERPRETED=_INTERPRET, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, PROGRAMS=programs,
+        NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **meta)
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, accumulate: bool = False,
            bias: torch.Tensor | None = None, block_k: int = BLOCK_K, tma: bool = True) -> torch.Tensor:
     """`out = [out +] a @ b [+ bias]` with fp32 `out` `[M, N]`; `a` `[M, K]` and `b` `[K, N]` of one dtype, any
@@ -142,12 +188,37 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
     da = _descriptor(a, [BLOCK_M, block_k]) if tma else None
     db = _descriptor(b, [block_k, BLOCK_N]) if da is not None else None
     use_tma = db is not None
-    programs = _programs(a.device)
-    grid = (min(programs, cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)),)
-    _matmul_kernel[grid](da[0] if use_tma else a, db[0] if use_tma else b, out, bias if bias is not None else out,
-                         M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                         ACCUMULATE=accumulate, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
-                         TMA=use_tma, A_T=use_tma and da[1], B_T=use_tma and db[1], INTERPRETED=_INTERPRET,
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, GROUP_M=GROUP_M, PROGRAMS=programs,
-                         NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _launch(a.device, M, N, da[0] if use_tma else a, db[0] if use_tma else b, out,
+            bias if bias is not None else out, out, out, out, M, N, K, a.stride(0), a.stride(1), b.stride(0),
+            b.stride(1), out.stride(0), out.stride(1), 0, 0, 1.0,
+            ACCUMULATE=accumulate, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, STATS=False, W=1,
+            LOG2W=0, SCALE=False, ENTROPY=False, TMA=use_tma, A_T=use_tma and da[1],
+            B_T=use_tma and db[1], BLOCK_K=block_k)
     return out
+
+
+def stats_fit(width: int) -> bool:
+    """Whether `matmul_stats` takes tiles of `width` columns: a power of two that divides the output tile's columns."""
+    return width & (width - 1) == 0 and 16 <= width <= BLOCK_N
+
+
+def matmul_stats(a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, lo: int, width: int, inv: float = 1.0,
+                 entropy: bool = False, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """`(m, s, selected(, u))` of `z = (a @ b [+ bias]) * inv` without storing z: `canonical.row_stats`' tile
+    statistics `[M, cdiv(N, width)]` of each row of z (the columns of b: the vocabulary's from `lo`, on a tile) and
+    its value at column `ids - lo` (0.0 where that is not one of z's columns), the bits of `row_stats` over the
+    stored z, from the same accumulator, one launch. `width`: `stats_fit`."""
+    M, K = a.shape
+    N = b.shape[1]
+    if not stats_fit(width):
+        raise ValueError(f"width: expected a power of two from 16 to {BLOCK_N}, got {width}")
+    tiles = cdiv(N, width)
+    stats = torch.empty((2 + entropy, M, tiles), dtype=torch.float32, device=a.device)
+    sel = torch.zeros(M, dtype=torch.float32, device=a.device)
+    if M and N:
+        _launch(a.device, M, N, a, b, sel, bias if bias is not None else sel, ids.to(torch.int64).contiguous(), sel,
+                stats, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), 0, 0, lo, tiles, inv,
+                ACCUMULATE=False, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, STATS=True, W=width,
+                LOG2W=width.bit_length() - 1, SCALE=inv != 1.0, ENTROPY=entropy, TMA=False, A_T=False, B_T=False,
+                BLOCK_K=BLOCK_K, enable_fp_fusion=False)  # `inv * z - m` as the row kernel rounds it: two roundings
+    return (stats[0], stats[1], sel, *stats[2:])
