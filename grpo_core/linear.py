@@ -75,7 +75,8 @@ TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the
 # at H = 3584)
 SLICE_COLUMNS = 32768  # the most vocabulary columns of a chunk's dz buffer at TP = 1 (256 MiB in bf16 at 4096 tokens;
 # over TP, dz is the rank's whole shard), and of its logits when they are not kept for dz (the reference's, and
-# without gradients). No bit depends on it (`_slices`); at V = 151936 a whole dz took 1.2 GB, whole logits 2.5 GB
+# without gradients; stored only by the torch kernels, or for tiles wider than `matmul_stats` takes). No bit depends
+# on it (`_slices`); at V = 151936 a whole dz took 1.2 GB, whole logits 2.5 GB
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 MAX_TRITON_TILE = 4096  # the row kernels' largest tile
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
