@@ -14,7 +14,8 @@ a time (`SLICE_COLUMNS`; over TP the rank's whole shard), each slice then folded
 (and the bias' column sums). The logits that no gradient reads (the reference's, `linear_logprobs`', the first pass
 of the four-matmul options below) are never stored by the Triton kernels where a tile fits the matmul's output tile
 (a power of two up to 256 columns; the default is 128): the matmul's epilogue computes their tile statistics from its
-accumulator (`triton/matmul.py`'s `matmul_stats`, the row kernel's bits over the stored logits).
+accumulator (`triton/matmul.py`'s `matmul_stats`, the row kernel's bits over the stored logits), the chunk's whole
+row of vocabulary in one launch.
 Three matmuls per token, nothing recomputed (GSPO's `importance_sampling_level="sequence"`, the off-policy mask and
 vespo: four, the logits computed twice, since a token's coefficient needs every log-prob of its sequence; the first
 pass computes only the log-probs); the gradients are ready when the forward returns and are scaled by `grad_output`
@@ -74,9 +75,9 @@ TRITON_CHUNK = 4096  # tokens per chunk of the Triton kernels, a multiple of the
 # boundaries); 2048 halves the buffer but reads and writes the fp32 dW accumulator twice as often (4.4 GB a chunk
 # at H = 3584)
 SLICE_COLUMNS = 32768  # the most vocabulary columns of a chunk's dz buffer at TP = 1 (256 MiB in bf16 at 4096 tokens;
-# over TP, dz is the rank's whole shard), and of its logits when they are not kept for dz (the reference's, and
-# without gradients; stored only by the torch kernels, or for tiles wider than `matmul_stats` takes). No bit depends
-# on it (`_slices`); at V = 151936 a whole dz took 1.2 GB, whole logits 2.5 GB
+# over TP, dz is the rank's whole shard), and of its logits when they are stored but not kept for dz (the
+# reference's, and without gradients: by the torch kernels, or for tiles wider than `matmul_stats` takes). No bit
+# depends on it (`_slices`); at V = 151936 a whole dz took 1.2 GB, whole logits 2.5 GB
 MIN_TRITON_TILE = 16  # the dH matmul steps over the vocabulary by min(tile, 64) columns (tl.dot: K >= 16)
 MAX_TRITON_TILE = 4096  # the row kernels' largest tile
 _PRODUCTS = 1 << 22  # fp32 products per step of the torch kernels' dots
@@ -114,6 +115,11 @@ class TorchKernels:
     def logit_stats(self, h, w, b, ids, lo, width, inv, entropy: bool = False) -> tuple[torch.Tensor, ...]:
         """`stats` of the logits of `h` and the rows of `w` (and `b`), not kept."""
         return self.stats(self.logits(h, w, b), ids, lo, width, inv, entropy)
+
+    @staticmethod
+    def logit_slices(V: int, width: int) -> list[tuple[int, int]]:
+        """The column slices `logit_stats` takes of a chunk's `V` columns: stored logits, `_slices`."""
+        return _slices(V, width)
 
     @staticmethod
     def merge(m, s, *u) -> tuple[torch.Tensor, ...]:
@@ -184,6 +190,10 @@ class TritonKernels:
         if not self.stats_fit(width):
             return self.stats(self.logits(h, w, b), ids, lo, width, inv, entropy)
         return self.mm_stats(h, w.T, ids, lo, width, inv, entropy, bias=b)
+
+    def logit_slices(self, V, width):
+        """The whole row in one launch where the epilogue takes the tiles (nothing stored), else `_slices`."""
+        return [(0, V)] if self.stats_fit(width) else _slices(V, width)
 
     def merge(self, m, s, *u):
         mask = torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
@@ -269,7 +279,7 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
     logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     logp_ref = None if ref is None else torch.zeros_like(logp)
     ent = torch.zeros_like(logp) if entropy else None
-    lo, slices = lp.local_bounds[0], _slices(V, lp.tile_width)
+    lo, slices = lp.local_bounds[0], k.logit_slices(V, lp.tile_width)
     for start in range(0, n, k.chunk):
         stop = min(n, start + k.chunk)
         r, a = rows[start:stop], ids[start:stop]

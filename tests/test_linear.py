@@ -422,28 +422,31 @@ def test_the_triton_chunk_size_changes_no_bit():
 @pytest.mark.parametrize("over", [dict(), dict(entropy_coef=0.01, importance_sampling_level="sequence",
                                                temperature=0.7)], ids=["defaults", "entropy,gspo"])
 def test_vocabulary_slices_change_no_bit(kernels, over):
-    """`dz`, and the logits not kept for it (the reference's, the log-probs'), a slice of vocabulary columns at a
-    time (`linear.SLICE_COLUMNS`; here slices of 48, 48, 48 and 16 columns: whole tiles of 16, whole steps of the dH
-    fold): the same bits of every field, every gradient and `linear_logprobs` as with the whole row in one slice.
-    Triton: the slices' statistics come from the matmul's accumulator (`matmul_stats`); the same bits again with
-    the logits stored and read by the row kernel."""
+    """`dz`, and the stored logits not kept for it (the reference's, the log-probs'), a slice of vocabulary columns at
+    a time (`linear.SLICE_COLUMNS`; here slices of 48, 48, 48 and 16 columns: whole tiles of 16, whole steps of the
+    dH fold): the same bits of every field, every gradient and `linear_logprobs` as with the whole row in one slice.
+    Triton: the statistics of the logits not kept come from the matmul's accumulator (`matmul_stats`, the whole row
+    in one launch); the same bits again with those logits stored and read by the row kernel, sliced or not."""
     from grpo_core.triton import matmul as mm
     inp = make(B=4, T=5, V=160, seed=5)
     logprobs = lambda: linear_logprobs(inp["ref_hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"],
                                        bias=inp["bias"], vocab_tile=16, kernels=kernels, temperature=0.7)
     one, g_one = run(inp, kernels, vocab_tile=16, **over)
     lp_one = logprobs()
-    variants = [mock.patch.object(linear, "SLICE_COLUMNS", 56)]
+    sliced = [(0, 48), (48, 96), (96, 144), (144, 160)]
+    variants = [(True, True)] + ([(True, False), (False, False)] if kernels == "triton" else [])
     if kernels == "triton":
         assert mm.stats_fit(16)
-        variants.append(mock.patch.object(mm, "stats_fit", lambda width: False))
-    for variant in variants:
-        with variant, mock.patch.object(mm, "matmul_stats", wraps=mm.matmul_stats) as spy:
-            assert linear._slices(160, 16) == ([(0, 48), (48, 96), (96, 144), (144, 160)]
-                                               if variant is variants[0] else [(0, 160)])
+    for narrow, fit in variants:  # (SLICE_COLUMNS = 56, matmul_stats takes the tiles)
+        with (mock.patch.object(linear, "SLICE_COLUMNS", 56 if narrow else linear.SLICE_COLUMNS),
+              mock.patch.object(mm, "stats_fit", lambda width: fit and width == 16),
+              mock.patch.object(mm, "matmul_stats", wraps=mm.matmul_stats) as spy):
+            k = linear.TritonKernels() if kernels == "triton" else linear.TorchKernels()
+            assert k.logit_slices(160, 16) == ([(0, 160)] if kernels == "triton" and fit or not narrow else sliced)
+            assert linear._slices(160, 16) == (sliced if narrow else [(0, 160)])
             many, g_many = run(inp, kernels, vocab_tile=16, **over)
             lp_many = logprobs()
-        assert spy.called == (kernels == "triton" and variant is variants[0])
+        assert spy.called == (kernels == "triton" and fit)
         for f in FIELDS:
             assert_bitwise_equal(getattr(many, f), getattr(one, f), f)
         for a, b, name in zip(g_many, g_one, "hwb"):
