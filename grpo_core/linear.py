@@ -158,8 +158,16 @@ class TorchKernels:
             acc = acc + _dot(dz[:, start:start + width], w[start:start + width].T)
         return acc
 
-    def dweight(self, dz: torch.Tensor, h: torch.Tensor, acc: torch.Tensor) -> None:
+    def dweight(self, dz: torch.Tensor, h: torch.Tensor, acc: torch.Tensor, first: bool) -> None:
+        """`acc += dz^T h`; `first`: `acc` is uninitialized, the fold starts from 0.0."""
+        if first:
+            acc.zero_()
         acc += _dot(dz.T, h.T)
+
+    @staticmethod
+    def scale(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`t * g` (fp32 `g` `[]`) rounded once to `dtype`: in place when `t` has it."""
+        return t.mul_(g) if t.dtype == dtype else torch.mul(t, g, out=torch.empty_like(t, dtype=dtype))
 
 
 class TritonKernels:
@@ -170,7 +178,7 @@ class TritonKernels:
     def __init__(self) -> None:
         from .triton import canonical as rows, matmul
         self.rows, self.mm, self.exp = rows, matmul.matmul, rows.exp_of
-        self.mm_stats, self.stats_fit = matmul.matmul_stats, matmul.stats_fit
+        self.mm_stats, self.stats_fit, self.cast = matmul.matmul_stats, matmul.stats_fit, matmul.scaled_cast
 
     def logits(self, h, w, b):  # rows padded to 8 columns: 16-byte aligned, the row kernel's aligned loads
         V = w.shape[0]
@@ -222,8 +230,11 @@ class TritonKernels:
     def dhidden(self, dz, w, acc, width):
         return self.mm(dz, w, acc, accumulate=True, block_k=self.fold_step(width))
 
-    def dweight(self, dz, h, acc):
-        self.mm(dz.T, h, acc, accumulate=True)
+    def dweight(self, dz, h, acc, first):  # the first writes: the accumulator starts from 0.0 in the kernel
+        self.mm(dz.T, h, acc, accumulate=not first)
+
+    def scale(self, t, g, dtype):
+        return self.cast(t, g, dtype) if t.dtype != dtype else t.mul_(g)
 
 
 def _check_kernels(choice: Any) -> str:
@@ -274,8 +285,11 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
     `(logp, logp_ref, ent)` fp32 `[len(rows)]` (`logp_ref` None without `ref = (ref_hidden, ref_weight, ref_bias)`;
     `ent`, the policy's entropies, None without `entropy`).
     `grads`: `(inputs, dh, dw, db)`, the `_CoefInputs` of the rows and the gradients to fill as it goes (`dh`
-    `[tokens, H]` in hidden's dtype, `dw` fp32 `[V_local, H]`, `db` fp32 `[V_local]`; each None when not wanted)."""
+    `[tokens, H]` in hidden's dtype, zeros; `dw` fp32 `[V_local, H]`, uninitialized: the first chunk writes it; `db`
+    fp32 `[V_local]`, zeros; each None when not wanted)."""
     n, V = rows.numel(), weight.shape[0]
+    if grads is not None and grads[2] is not None and n == 0:  # no chunk writes dW
+        grads[2].zero_()
     logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     logp_ref = None if ref is None else torch.zeros_like(logp)
     ent = torch.zeros_like(logp) if entropy else None
@@ -311,7 +325,7 @@ def _run_chunks(k, hidden, weight, bias, ids, rows, lp: LogprobContract, tp_grou
                 acc = _fold_over_tp(lambda acc, dz=dz, w=weight[u:v]: k.dhidden(dz, w, acc, lp.tile_width), acc, lp,
                                     tp_group)
             if dw is not None:
-                k.dweight(dz, h, dw[u:v])
+                k.dweight(dz, h, dw[u:v], start == 0)
             if db is not None:
                 db[u:v] += canonical.pair_sum(dz.float(), 0)
             del dz
@@ -393,8 +407,8 @@ class _Grads(torch.autograd.Function):
     once: the stored gradients are scaled in place and handed over."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.grads = grads
+    def forward(ctx, loss, hidden, weight, bias, grads, scale):
+        ctx.grads, ctx.scale = grads, scale
         return loss.clone()
 
     @staticmethod
@@ -403,10 +417,9 @@ class _Grads(torch.autograd.Function):
             raise RuntimeError("the fused linear loss's backward runs once (its gradients are computed in the forward "
                                "and handed over): call the loss again for another backward")
         g = grad_loss.to(torch.float32)
-        out = [None if t is None else t.mul_(g) if t.dtype == dtype else  # in place, or in one pass into its dtype
-               torch.mul(t, g, out=torch.empty_like(t, dtype=dtype)) for t, dtype in ctx.grads]
+        out = [None if t is None else ctx.scale(t, g, dtype) for t, dtype in ctx.grads]  # the kernels' `scale`
         ctx.grads = None
-        return None, *out, None
+        return None, *out, None, None
 
 
 def _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps, n: int, T: int,
@@ -594,11 +607,11 @@ class LinearGRPOLossOp:
                                  contract.delta, contract.use_bias_correction_kl, contract.surrogate,
                                  contract.sapo_temperatures)
 
-            def zeros(t: torch.Tensor | None, shape, dtype) -> torch.Tensor | None:
-                return torch.zeros(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
+            def wanted(t: torch.Tensor | None, shape, dtype, new=torch.zeros) -> torch.Tensor | None:
+                return new(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
 
-            grads = (inputs, zeros(hidden, (n_local * T, H), hidden.dtype), zeros(weight, weight.shape, torch.float32),
-                     zeros(bias, (weight.shape[0],), torch.float32))
+            grads = (inputs, wanted(hidden, (n_local * T, H), hidden.dtype), wanted(weight, weight.shape,
+                     torch.float32, torch.empty), wanted(bias, (weight.shape[0],), torch.float32))
         matrices = (hidden.detach().reshape(-1, H), weight.detach(), None if bias is None else bias.detach())
         with torch.no_grad():  # two passes: the log-probs first, the gradients in a second pass
             logp_rows, ref_rows, ent_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, c.inv,
@@ -643,7 +656,7 @@ class LinearGRPOLossOp:
             _, dh, dw, db = grads
             loss = _Grads.apply(loss, hidden, weight, bias, [
                 (None if dh is None else dh.view(hidden.shape), hidden.dtype), (dw, weight.dtype),
-                (db, None if bias is None else bias.dtype)])
+                (db, None if bias is None else bias.dtype)], k.scale)
         return result_stage(c, loss, scalars, sums, ints, advantages_all, phi, ent,
                             provenance(self.backend, hidden, backend_id=BACKEND_ID, kernels=k.name))
 

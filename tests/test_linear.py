@@ -348,6 +348,25 @@ def test_tma_and_pointer_loads_give_the_same_bits(dtype):
         assert_bitwise_equal(one, two, f"{tuple(a.shape)} @ {tuple(b.shape)}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_written_product_is_one_added_onto_zeros(dtype):
+    """The first chunk writes `dW = dz^T h` (`accumulate=False`: the kernel's accumulator starts at 0.0) where the
+    later chunks add onto it: the bits of adding onto zeros, signed zeros included (columns of `dz` all -0.0 or
+    +0.0 against columns of `h` all positive: sums of -0.0 products)."""
+    from grpo_core.triton.matmul import matmul
+    g = torch.Generator(device=DEV).manual_seed(2)
+    C, H, V = (1000, 520, 3000) if HAS_CUDA else (70, 130, 150)
+    h = torch.randn(C, H, device=DEV, generator=g)
+    h[:, :8] = h[:, :8].abs()
+    dz = torch.randn(C, V, device=DEV, generator=g) * 1e-2
+    dz[:, ::5], dz[:, 1::5] = -0.0, 0.0
+    dz, h = dz.to(dtype), h.to(dtype)
+    written = matmul(dz.T, h, torch.full((V, H), float("nan"), device=DEV))
+    added = matmul(dz.T, h, torch.zeros(V, H, device=DEV), accumulate=True)
+    assert bool(torch.signbit(added[::5, :8]).logical_not().all())  # 0.0 + (-0.0) is +0.0
+    assert_bitwise_equal(written, added, "dz^T h")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_persistent_matmuls_programs_change_no_bit(dtype):
     """`triton/matmul.py`'s programs each walk several output tiles: one program, a few, or one per tile (as many as
@@ -401,6 +420,63 @@ def test_the_matmuls_statistics_are_the_row_kernels_over_the_stored_logits(dtype
     assert int(((ids >= lo) & (ids < lo + V)).sum()) < C  # some ids outside: their selected value is 0.0
     with pytest.raises(ValueError, match="width: expected a power of two"):
         mm.matmul_stats(h, w.T, ids, lo, 48)
+
+
+def _poisoned(real):
+    """`torch.empty` / `empty_like` whose memory holds NaN (integers -12345, booleans True), not what was there."""
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else True if t.dtype == torch.bool else -12345)
+    return empty
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("case", ["chunks", "no active token"])
+def test_no_uninitialized_memory_is_read(kernels, case):
+    """The `dW` accumulator and every other buffer are taken uninitialized: with their memory poisoned the loss and
+    the gradients are the same bits (the first chunk writes `dW`; with no active token it is zeros), in several
+    chunks, scaled in the backward by a `grad_output` other than 1."""
+    inp = make(B=8, T=12, seed=6, dtype=torch.bfloat16)  # dW handed over in bf16: `scaled_cast` on the Triton side
+    if case == "no active token":
+        inp["completion_mask"][:] = False
+
+    def once():
+        h, w, b = leaf(inp["hidden"]), leaf(inp["weight"]), leaf(inp["bias"])
+        res = linear_grpo_loss(h, w, inp["action_ids"], inp["old_logps"], inp["rewards"], inp["completion_mask"],
+                               bias=b, kernels=kernels, samples_per_prompt=2, ref_hidden=inp["ref_hidden"])
+        (res.loss * 0.37).backward()
+        return [getattr(res, f) for f in FIELDS] + [h.grad, w.grad, b.grad]
+
+    with mock.patch.object(linear.TritonKernels, "chunk", 64), mock.patch.object(linear.TorchKernels, "chunk", 64):
+        want = once()
+        with mock.patch("torch.empty", _poisoned(torch.empty)), \
+                mock.patch("torch.empty_like", _poisoned(torch.empty_like)):
+            got = once()
+    assert (int(inp["completion_mask"].sum()) > 64) == (case == "chunks")
+    if case == "no active token":
+        assert not bits(want[-2]).any() and not bits(want[-3]).any()  # +0.0
+    for name, a, b in zip([*FIELDS, "d hidden", "d weight", "d bias"], got, want):
+        assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_cast_rounds_as_torch_mul(dtype):
+    """`matmul.scaled_cast` (the fused loss's backward: `dW * grad_output` into the weight's dtype) gives the bits of
+    `torch.mul(x, g, out=<dtype>)`: every binary exponent, halfway cases, subnormals, overflow, infinities, signed
+    zeros; a NaN stays a NaN. Refuses what it does not take."""
+    from grpo_core.triton.matmul import scaled_cast
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, generator=g) * torch.exp2(torch.randint(-149, 128, (3000,), generator=g).float())
+    ties = ((torch.randint(0, 1 << 16, (1000,), generator=g, dtype=torch.int32) << 16) | 0x8000).view(torch.float32)
+    x = torch.cat([x, ties, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45,
+                                          3.4e38, 65504.0, 65520.0, 6e-8])]).to(DEV)
+    for scale in (1.0, 0.37, -3.0, 1e30, 0.0):
+        gt = torch.tensor(scale, device=DEV)
+        want, got = torch.mul(x, gt, out=torch.empty_like(x, dtype=dtype)), scaled_cast(x, gt, dtype)
+        assert bool((want.isnan() == got.isnan()).all()), scale
+        assert_bitwise_equal(got[~got.isnan()], want[~want.isnan()], f"scale {scale}")
+    with pytest.raises(ValueError, match="scaled_cast: expected contiguous fp32 x and a bf16 or fp16 dtype"):
+        scaled_cast(x.to(dtype), gt, dtype)
 
 
 def test_the_triton_chunk_size_changes_no_bit():

@@ -22,6 +22,9 @@ tiles, the K order and the tensor-core instructions are the same either way, and
 256 columns) and each row's selected value, instead of storing C: the log-probs without the logits' fp32 round trip
 through memory, the same bits as `row_stats` over the stored logits.
 
+`scaled_cast` hands a product's fp32 accumulator over in a narrower dtype, scaled, in one pass (H100, a `dW` of
+151936 x 3584 into bf16: 1.19 ms, where `torch.mul(x, g, out=...)` took 2.12 and a plain copy into bf16 1.06).
+
 Under the interpreter `tl.dot` is a BLAS call whose order of adds depends on a row's place in the tile (and which
 cannot take bf16): there each step adds the fp32 products one K after the other instead, on smaller tiles (the
 interpreter's largest block holds 2**20 elements).
@@ -222,3 +225,31 @@ def matmul_stats(a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, lo: int, w
                 LOG2W=width.bit_length() - 1, SCALE=inv != 1.0, ENTROPY=entropy, TMA=False, A_T=False, B_T=False,
                 BLOCK_K=BLOCK_K, enable_fp_fusion=False)  # `inv * z - m` as the row kernel rounds it: two roundings
     return (stats[0], stats[1], sel, *stats[2:])
+
+
+@triton.jit
+def _scaled_cast_kernel(x_ptr, g_ptr, y_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    y = tl.load(x_ptr + offs, mask=keep) * tl.load(g_ptr)
+    if BF16:  # to the nearest even by the bits: the interpreter's conversion truncates (a NaN: 0x7FC0)
+        b = y.to(tl.uint32, bitcast=True)
+        b = tl.where(y != y, 0x7FC00000, b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        tl.store(y_ptr + offs, b.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=keep)
+    else:
+        tl.store(y_ptr + offs, y.to(tl.float16), mask=keep)
+
+
+def scaled_cast(x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x * g` (contiguous fp32 `x`, fp32 `g` `[]` on its device) rounded once to the nearest even `dtype` (bf16 or
+    fp16): the bits of `torch.mul(x, g, out=torch.empty_like(x, dtype=dtype))` but a NaN's (a NaN still), in one
+    pass."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"scaled_cast: expected contiguous fp32 x and a bf16 or fp16 dtype, got {x.dtype} "
+                         f"(contiguous: {x.is_contiguous()}) to {dtype}")
+    y = torch.empty_like(x, dtype=dtype)
+    if x.numel():
+        block = 1024 if _INTERPRET else 8192
+        _scaled_cast_kernel[(cdiv(x.numel(), block),)](x, g.to(torch.float32).reshape(1), y, x.numel(),
+                                                       BF16=dtype == torch.bfloat16, BLOCK=block, num_warps=8)
+    return y
