@@ -404,7 +404,8 @@ class _CoefInputs:
 class _Grads(torch.autograd.Function):
     """Forward: the loss, computed outside autograd with its gradients. Backward: those gradients times
     `grad_output` (in fp32, rounded once to each input's dtype: the stored gradient itself when it is 1.0). It runs
-    once: the stored gradients are scaled in place and handed over."""
+    once: the kernel set's `scale` scales each stored gradient (in place where it has its input's dtype, else into a
+    new tensor of it in one pass) and hands it over."""
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, grads, scale):
