@@ -24,7 +24,8 @@ fp32 until then).
 
 The per-token log-probs then give the loss exactly as the logits op's deterministic path does: the same stages
 (`distributed/grpo_loss.py`: the advantages, the token terms with `pair_sum` over `padded_seq_len`, per-sequence
-vectors gathered over DP, the finish with the normalizer, the checks, the gradient's coefficients, the result).
+vectors gathered over DP, the finish with the normalizer, the checks, the gradient's coefficients, the result), by
+the same kernels: with the Triton kernel set the advantages, the token terms and the finish are a launch each.
 Every sum has a shape fixed by the contract:
 - a logit is a dot over H by the kernels' one fixed order, the same for any token, batch, chunk and shard;
 - vocabulary statistics: the canonical tiles, merged in global tile order over TP;
@@ -60,8 +61,8 @@ from .checks import check_inputs, check_logprobs, check_option_inputs, check_ten
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
                        Surrogate, check_temperature, inverse_temperature)
 from .digest import row_digests
-from .distributed.grpo_loss import (LossCall, advantages_stage, check_everywhere, finish_stage, loss_coef,
-                                    replicated_inputs, result_stage, token_terms)
+from .distributed.grpo_loss import (LossCall, _TorchKernels, _TritonKernels, advantages_stage, check_everywhere,
+                                    loss_coef, replicated_inputs, result_stage)
 from .distributed.preflight import preflight
 from .distributed.vocab_parallel_logprob import gather_tile_stats, local_tile_stats, write_grad
 from .result import GRPOLossResult, provenance
@@ -101,7 +102,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class TorchKernels:
     """The portable reference: IEEE `*` and `+` in fixed trees (see the module docstring)."""
 
-    name, chunk, exp = "torch", TORCH_CHUNK, staticmethod(canonical.exp)
+    name, chunk = "torch", TORCH_CHUNK
 
     def logits(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         z = _dot(h, w)
@@ -177,7 +178,7 @@ class TritonKernels:
 
     def __init__(self) -> None:
         from .triton import canonical as rows, matmul
-        self.rows, self.mm, self.exp = rows, matmul.matmul, rows.exp_of
+        self.rows, self.mm = rows, matmul.matmul
         self.mm_stats, self.stats_fit, self.cast = matmul.matmul_stats, matmul.stats_fit, matmul.scaled_cast
 
     def logits(self, h, w, b):  # rows padded to 8 columns: 16-byte aligned, the row kernel's aligned loads
@@ -528,6 +529,12 @@ class LinearGRPOLossOp:
         """Each sequence's token sum (a fixed tree over `padded_seq_len`)."""
         return canonical.pair_sum(terms)
 
+    def _stages(self, k: TorchKernels | TritonKernels) -> _TorchKernels | _TritonKernels:
+        """The kernels of the loss's stages after the log-probs, those of the logits op: with the Triton kernel set
+        its Triton ones (the advantages, the token terms and their sums, the finish: a launch each), else the torch
+        ones with `_token_sum`. The same bits."""
+        return _TritonKernels() if k.name == "triton" else _TorchKernels(self._token_sum)
+
     def apply(self, hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,
               old_logps: torch.Tensor | None = None, rewards: torch.Tensor | None = None, *,
               contract: GRPOLossContract, completion_mask: torch.Tensor, bias: torch.Tensor | None = None,
@@ -578,6 +585,7 @@ class LinearGRPOLossOp:
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group, choices)
         k = chosen["kernels"]
+        stages = self._stages(k)
         lp = contract.logprob_contract
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         n_local, T, H = hidden.shape
@@ -587,7 +595,7 @@ class LinearGRPOLossOp:
         c = LossCall.of(contract, mask, action_ids, completion_mask, old_logps, importance_sampling_ratio,
                         sampling_logps, tp_group, dp_group)
         counts = c.gather(mask.sum(-1))  # before the pass: the token weights of a gradient computed in it
-        advantages_all, adv, _, rewards_all = advantages_stage(c, rewards, advantages)
+        advantages_all, adv, rewards_local, rewards_all = advantages_stage(c, rewards, advantages, stages)
 
         # The log-probs (and the gradient, when every token's coefficient is known before the pass)
         bonus = contract.entropy_coef != 0.0
@@ -629,12 +637,12 @@ class LinearGRPOLossOp:
         if ref_rows is not None:
             bad |= ~torch.isfinite(ref_rows)
 
-        # The token terms, the gathers, the finish, the checks (one sync, once all is queued)
-        sums, ints, phi, (ratio, w_is, keep) = token_terms(c, logp, logp_ref, adv, ent, k.exp, self._token_sum)
+        # The token terms, the gathers, the finish, the checks (one sync, once all is queued; the preflight read the
+        # inputs' values: the flags are the non-finite log-probs' alone)
         bad = torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(0, seq_of, bad.long())
-        sums = c.gather(torch.stack(sums).T).T.contiguous()
-        ints = c.gather(torch.stack([mask.sum(-1), bad, *ints]).T).T.contiguous()
-        scalars, _ = finish_stage(sums, ints, contract)
+        sums, ints, phi, (ratio, w_is, keep) = stages.terms(c, logp, logp_ref, adv, ent, rewards_local, bad)
+        sums, ints = c.gather(sums.T).T.contiguous(), c.gather(ints.T).T.contiguous()
+        scalars = stages.finish(sums, ints, contract)[0]
         loss = scalars[0]
         derived = None if rewards_all is None else (advantages_all, rewards_all, contract.groups)
         bad = ints[1].any() | ~torch.isfinite(loss)
@@ -645,6 +653,8 @@ class LinearGRPOLossOp:
 
         # The gradient (its second pass when the coefficients needed the whole sequence or batch)
         if grads is not None and two_pass:
+            if ratio is None:  # the Triton stages' kernel computed the token ratios it summed
+                ratio = canonical.ratio_and_kl(logp, None, c.old, c.mask)[0]
             coef = loss_coef(c, ratio, logp, logp_ref, adv, w_tok, w_is)
             extra = {}
             if bonus:

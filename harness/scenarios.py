@@ -17,6 +17,7 @@ import torch
 from grpo_core import GRPOLossContract, ShardingSpec
 from grpo_core.contract import VESPO_GAMMA
 from grpo_core.distributed import DistributedGRPOLossOp, VocabParallelLogprobOp
+from grpo_core.distributed.grpo_loss import _TorchKernels
 from grpo_core.linear import LinearGRPOLossOp, linear_logprobs
 
 
@@ -223,6 +224,10 @@ class RegroupedTokenSumOp(DistributedGRPOLossOp):
 
 
 class RegroupedLinearOp(LinearGRPOLossOp):
-    """The same planted drift for the fused linear loss."""
+    """The same planted drift for the fused linear loss. Its stages are the torch kernels, whose token sum it
+    replaces, with either kernel set for the log-probs."""
 
     _token_sum = staticmethod(RegroupedTokenSumOp._token_sum)
+
+    def _stages(self, k):
+        return _TorchKernels(self._token_sum)

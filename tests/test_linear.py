@@ -494,6 +494,40 @@ def test_the_triton_chunk_size_changes_no_bit():
             assert_bitwise_equal(a, b, f"d {name}")
 
 
+STAGE_OPTIONS = [  # one pass (the coefficients known before it), then the two-pass options
+    dict(),
+    dict(old_logps=None, loss_type="bnpo", advantages="token", rewards=None, samples_per_prompt=None),
+    dict(entropy_coef=0.01, top_entropy_quantile=0.5, temperature=0.7),
+    dict(importance_sampling_level="sequence", advantages="token", rewards=None, samples_per_prompt=None),
+    dict(loss_type="vespo", beta=0.0, ref_hidden=None, advantages="token", rewards=None, samples_per_prompt=None),
+    dict(off_policy_mask_threshold=0.3, importance_sampling_ratio="token", advantages="token", rewards=None,
+         samples_per_prompt=None),
+]
+
+
+@pytest.mark.parametrize("over", STAGE_OPTIONS, ids=lambda o: ",".join(o) or "defaults")
+def test_the_triton_stages_give_the_torch_stages_bits(over):
+    """With the Triton kernel set the stages after the log-probs (the advantages, the token terms and their sums, the
+    finish) are the logits op's Triton kernels, a launch each: the same bits of every field and gradient as the
+    torch stages with the same log-probs (given advantages NaN at masked tokens, which nothing may read)."""
+    from grpo_core.distributed import grpo_loss as stages
+    inp, over = _resolve(make(B=4, T=6, V=96, seed=7), over)
+    if "advantages" in over:
+        over["advantages"] = over["advantages"].masked_fill(~inp["completion_mask"], float("nan"))
+    if over.get("importance_sampling_ratio") == "token":
+        over["importance_sampling_ratio"] = torch.rand(inp["action_ids"].shape,
+                                                       generator=torch.Generator().manual_seed(8)).to(DEV) + 0.5
+    with mock.patch.object(stages._TritonKernels, "terms", wraps=stages._TritonKernels.terms) as spy:
+        fast, g_fast = run(inp, "triton", vocab_tile=16, **over)
+    assert spy.call_count == 1
+    with mock.patch.object(LinearGRPOLossOp, "_stages", lambda self, k: stages._TorchKernels(self._token_sum)):
+        ref, g_ref = run(inp, "triton", vocab_tile=16, **over)
+    for f in FIELDS:
+        assert_bitwise_equal(getattr(fast, f), getattr(ref, f), f)
+    for a, b, name in zip(g_fast, g_ref, "hwb"):
+        assert_bitwise_equal(a, b, f"d {name}")
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("over", [dict(), dict(entropy_coef=0.01, importance_sampling_level="sequence",
                                                temperature=0.7)], ids=["defaults", "entropy,gspo"])

@@ -426,9 +426,16 @@ class _TorchKernels:
             logp_ref, _, bad_ref = logprobs(ref)
             bad_rows |= bad_ref
         bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
-        sums, ints, phi, (ratio, w_is, keep) = token_terms(c, logp, logp_ref, adv, ent, canonical.exp, self.token_sum)
-        return (logp, logp_ref, torch.stack(sums), torch.stack([c.mask.sum(-1), bad.view(n, T).sum(-1), *ints]), phi,
-                ent, (rows, ids, lse, ratio, adv, w_is, keep, ent))
+        sums, ints, phi, (ratio, w_is, keep) = self.terms(c, logp, logp_ref, adv, ent, rewards, bad.view(n, T).sum(-1))
+        return logp, logp_ref, sums, ints, phi, ent, (rows, ids, lse, ratio, adv, w_is, keep, ent)
+
+    def terms(self, c: LossCall, logp, logp_ref, adv, ent, rewards, bad):
+        """From this rank's fp32 `[n, T]` log-probs (`ent`: the entropies, or None): `(per-sequence sums fp32 [3, n]
+        (surrogate, KL, ratio (, entropy, kept entropy)), ints int64 [3, n] (active tokens, `bad`: each sequence's
+        bad-value flag, clipped tokens (, kept tokens)), vespo's phi (or None), (ratio, importance weights, kept
+        tokens))` (`token_terms`). (`rewards`: the Triton kernels' use.)"""
+        sums, ints, phi, state = token_terms(c, logp, logp_ref, adv, ent, canonical.exp, self.token_sum)
+        return torch.stack(sums), torch.stack([c.mask.sum(-1), bad, *ints]), phi, state
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -502,24 +509,37 @@ class _TritonKernels:
         ent = ent[0].view(n, T) if ent else None
         logp = sel.view(-1, n, T)
         logp_ref = logp[1] if ref is not None else given_ref
+        sums, ints, phi, (ratio, w_is, keep) = _TritonKernels.terms(c, logp[0], logp_ref, adv, ent, rewards)
+        return logp[0], logp_ref, sums, ints, phi, ent, (lse[0], adv, ratio, w_is, keep, ent)
+
+    @staticmethod
+    def terms(c: LossCall, logp, logp_ref, adv, ent, rewards, bad=None):
+        """As `_TorchKernels.terms`, the token terms and their sums in one kernel (`kernels.sequence_sums`), whose
+        flags also cover the inputs' values (`rewards`: fp32, this rank's, or None, are checked); `bad` (or None):
+        the flags to report in their place. The ratio: GSPO's sequence ratios, else None (the kernel's alone)."""
+        from ..triton import canonical as kernels
+        o = c.contract
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
         if c.sequence:
-            ratio = canonical.ratio_and_kl(logp[0], None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
+            ratio = canonical.ratio_and_kl(logp, None, c.old, c.mask, kernels.exp_of, sequence=True)[0]
         keep = None if ent is None else gathered_entropy_keep(ent, c.mask, c.contract, c.dp_group)
         used = o.vespo_gamma is not None or o.off_policy_mask_threshold is not None  # what reads the advantages
-        w_is, phi = c.weights(logp[0], canonical.used_advantages(adv, c.mask) if used else adv, kernels.exp_of, keep)
-        sums, ints = kernels.sequence_sums(logp[0], logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
+        w_is, phi = c.weights(logp, canonical.used_advantages(adv, c.mask) if used else adv, kernels.exp_of, keep)
+        sums, ints = kernels.sequence_sums(logp, logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, ratio)
-        if c.sampling is not None:  # a +-inf sampler log-prob at an active token: the sequence's bad-value flag
-            ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
-        if c.is_ratio is not None and w_is is not c.is_ratio:  # the kernels read the computed weights: the given
-            ints[1] |= (c.mask & ~((c.is_ratio >= 0.0) & (c.is_ratio < math.inf))).any(-1)  # ones are flagged here
+        if bad is not None:
+            ints[1] = bad
+        else:
+            if c.sampling is not None:  # a +-inf sampler log-prob at an active token: the sequence's bad-value flag
+                ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
+            if c.is_ratio is not None and w_is is not c.is_ratio:  # the kernels read the computed weights: the
+                ints[1] |= (c.mask & ~((c.is_ratio >= 0.0) & (c.is_ratio < math.inf))).any(-1)  # given ones here
         if ent is not None:  # the entropy's sums over the active tokens and over the kept ones, the kept tokens
             sums = torch.cat([sums, torch.stack([canonical.pair_sum(ent), canonical.pair_sum(torch.where(keep, ent,
                                                                                                        0.0))])])
             ints = torch.cat([ints, keep.sum(-1)[None]])
-        return logp[0], logp_ref, sums, ints, phi, ent, (lse[0], adv, ratio, w_is, keep, ent)
+        return sums, ints, phi, (ratio, w_is, keep)
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
