@@ -56,13 +56,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import canonical
+from . import canonical, pending
 from .checks import check_inputs, check_logprobs, check_option_inputs, check_tensor, stand_in
 from .contract import (DEFAULT_VOCAB_TILE, AdvantagesInput, GRPOLossContract, LogprobContract, LossContractError,
                        Surrogate, check_temperature, inverse_temperature)
 from .digest import row_digests
-from .distributed.grpo_loss import (LossCall, _TorchKernels, _TritonKernels, advantages_stage, check_everywhere,
-                                    loss_coef, replicated_inputs, result_stage)
+from .distributed.grpo_loss import (LossCall, _TorchKernels, _TritonKernels, advantages_stage, loss_coef,
+                                    replicated_inputs, result_stage)
 from .distributed.preflight import preflight
 from .distributed.vocab_parallel_logprob import gather_tile_stats, local_tile_stats, write_grad
 from .result import GRPOLossResult, provenance
@@ -500,7 +500,10 @@ class LinearGRPOLossOp:
     summed over DP by the trainer).
 
     `kernels`: "torch" (the portable reference), "triton" (tensor cores) or "auto" (Triton for CUDA tensors when
-    it imports). Bad values raise `LossContractError` in the call, on every rank.
+    it imports). Bad values raise `LossContractError` on every rank: with the torch kernels in the call; with the
+    Triton kernels as the logits op's (`check_values`: "deferred", the default, flags them without a device sync and
+    raises at a later call or at `grpo_core.raise_pending()`; "sync", in the call, after the forward's one sync).
+    In one process without `top_entropy_quantile` the call's only other host read is its number of active tokens.
     """
 
     backend = "linear"
@@ -541,32 +544,40 @@ class LinearGRPOLossOp:
               ref_logps: torch.Tensor | None = None, ref_hidden: torch.Tensor | None = None,
               ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
               advantages: torch.Tensor | None = None, tp_group: Any = None, dp_group: Any = None,
-              importance_sampling_ratio: torch.Tensor | None = None, sampling_logps: torch.Tensor | None = None
-              ) -> GRPOLossResult:
+              importance_sampling_ratio: torch.Tensor | None = None, sampling_logps: torch.Tensor | None = None,
+              check_values: str = "deferred") -> GRPOLossResult:
+        pending.poll((tp_group, dp_group))  # this op's collective checks: every rank raises at the same call
         tensors = {"hidden": hidden, "weight": weight, "bias": bias, "action_ids": action_ids,
                    "importance_sampling_ratio": importance_sampling_ratio, "sampling_logps": sampling_logps,
                    "old_logps": old_logps, "rewards": rewards, "advantages": advantages,
                    "completion_mask": completion_mask, "ref_logps": ref_logps, "ref_hidden": ref_hidden,
                    "ref_weight": ref_weight, "ref_bias": ref_bias}
         chosen: dict[str, Any] = {}
+        checked: dict[str, torch.Tensor] = {}  # what the deferred check reads in place of the logits and old_logps
 
         def local_checks() -> torch.Tensor:  # inside the preflight: what one rank raises, every rank raises
+            pending.poll()  # this process's local checks
+            if check_values not in ("deferred", "sync"):
+                raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             T = contract.padded_seq_len
             _check_linear(hidden, weight, bias, ref_logps, ref_hidden, ref_weight, ref_bias, old_logps,
                           seq_hi - seq_lo, T, v_hi - v_lo, contract.beta)
             chosen["kernels"] = _kernels(self.kernels, hidden.device, contract.vocab_tile)
+            chosen["stages"] = self._stages(chosen["kernels"])
             check_option_inputs(sampling_logps, importance_sampling_ratio, contract.off_policy_mask_threshold,
                                 contract.surrogate, contract.padded_seq_len)
             logits = stand_in((seq_hi - seq_lo, T, v_hi - v_lo), hidden.dtype, hidden.device)
             old = old_logps if old_logps is not None else torch.zeros(getattr(action_ids, "shape", ()),
                                                                       device=hidden.device)
+            checked.update(logits=logits, old=old)
             return check_inputs(logits, logits if ref_hidden is not None else None, action_ids, old, rewards,
                                 completion_mask, beta=contract.beta, vocab_size=contract.vocab_size,
                                 num_rewards=seq_hi - seq_lo, rewards_required=True, advantages=advantages,
                                 advantages_input=contract.advantages_input, ref_logps=ref_logps,
-                                importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps)
+                                importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps,
+                                values=chosen["stages"].name == "torch")  # Triton: the stages' flags, no sync
 
         def replicated() -> dict[str, str | None]:  # what TP peers must share, the hidden states at active tokens
             if contract.sharding.tp_world_size == 1:
@@ -581,26 +592,35 @@ class LinearGRPOLossOp:
                       if torch.is_grad_enabled() and t is not None and t.requires_grad]
             chosen["gradients"] = wanted
             return {"kernels": chosen["kernels"].name, "gradients (requires_grad under grad mode)":
-                    " / ".join(wanted) or "none"}
+                    " / ".join(wanted) or "none", "check_values": check_values}
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group, choices)
-        k = chosen["kernels"]
-        stages = self._stages(k)
+        k, stages = chosen["kernels"], chosen["stages"]
         lp = contract.logprob_contract
         seq_lo, seq_hi = contract.sharding.sequence_bounds
         n_local, T, H = hidden.shape
-        rows = mask.reshape(-1).nonzero().squeeze(1)
-        ids = action_ids.reshape(-1)[rows].long()
-        seq_of = rows // T
         c = LossCall.of(contract, mask, action_ids, completion_mask, old_logps, importance_sampling_ratio,
-                        sampling_logps, tp_group, dp_group)
+                        sampling_logps, tp_group, dp_group, check_values)
         counts = c.gather(mask.sum(-1))  # before the pass: the token weights of a gradient computed in it
         advantages_all, adv, rewards_local, rewards_all = advantages_stage(c, rewards, advantages, stages)
-
-        # The log-probs (and the gradient, when every token's coefficient is known before the pass)
         bonus = contract.entropy_coef != 0.0
         two_pass = (c.sequence or contract.off_policy_mask_threshold is not None or contract.vespo_gamma is not None
                     or bonus or contract.top_entropy_quantile < 1.0)  # from whole sequences, or from the whole batch
+
+        def wanted(t: torch.Tensor | None, shape, dtype, new=torch.zeros) -> torch.Tensor | None:
+            return new(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
+
+        if chosen["gradients"]:
+            w_tok = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi]
+            dh, dw, db = (wanted(hidden, (n_local * T, H), hidden.dtype), wanted(weight, weight.shape, torch.float32,
+                          torch.empty), wanted(bias, (weight.shape[0],), torch.float32))
+
+        # The call's host read, once all of the above is queued: its active tokens (a device sync)
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        ids = action_ids.reshape(-1)[rows].long()
+        seq_of = rows // T
+
+        # The log-probs (and the gradient, when every token's coefficient is known before the pass)
         given_ref = None if ref_logps is None else ref_logps.detach().reshape(-1)[rows].float()
         ref = None
         if ref_hidden is not None:  # without ref_weight the reference shares the policy's head, bias included
@@ -609,18 +629,11 @@ class LinearGRPOLossOp:
                    None if ref_b is None else ref_b.detach())
         grads = None
         if chosen["gradients"]:
-            w_tok = canonical.token_weights(counts, contract.normalizer, contract.normalizer_value)[seq_lo:seq_hi]
-            inputs = _CoefInputs(None if c.old is None else c.old.reshape(-1)[rows],
+            grads = (_CoefInputs(None if c.old is None else c.old.reshape(-1)[rows],
                                  adv[seq_of] if adv.dim() == 1 else adv.reshape(-1)[rows], w_tok[seq_of], given_ref,
                                  None if c.is_ratio is None else c.is_ratio.reshape(-1)[rows], *c.clip, contract.beta,
                                  contract.delta, contract.use_bias_correction_kl, contract.surrogate,
-                                 contract.sapo_temperatures)
-
-            def wanted(t: torch.Tensor | None, shape, dtype, new=torch.zeros) -> torch.Tensor | None:
-                return new(shape, dtype=dtype, device=t.device) if t is not None and t.requires_grad else None
-
-            grads = (inputs, wanted(hidden, (n_local * T, H), hidden.dtype), wanted(weight, weight.shape,
-                     torch.float32, torch.empty), wanted(bias, (weight.shape[0],), torch.float32))
+                                 contract.sapo_temperatures), dh, dw, db)
         matrices = (hidden.detach().reshape(-1, H), weight.detach(), None if bias is None else bias.detach())
         with torch.no_grad():  # two passes: the log-probs first, the gradients in a second pass
             logp_rows, ref_rows, ent_rows = _run_chunks(k, *matrices, ids, rows, lp, tp_group, c.inv,
@@ -633,23 +646,18 @@ class LinearGRPOLossOp:
         ent = None if ent_rows is None else full.index_put((rows,), ent_rows).view(n_local, T)
         if c.old is None:  # on-policy: the old log-probs are the policy's own
             c = dataclasses.replace(c, old=logp)
-        bad = ~torch.isfinite(logp_rows)
-        if ref_rows is not None:
-            bad |= ~torch.isfinite(ref_rows)
 
-        # The token terms, the gathers, the finish, the checks (one sync, once all is queued; the preflight read the
-        # inputs' values: the flags are the non-finite log-probs' alone)
-        bad = torch.zeros(n_local, dtype=torch.int64, device=hidden.device).index_add(0, seq_of, bad.long())
-        sums, ints, phi, (ratio, w_is, keep) = stages.terms(c, logp, logp_ref, adv, ent, rewards_local, bad)
+        # The token terms, the gathers, the finish, the checks (the torch stages': now; the Triton stages' flags
+        # cover the inputs' values too and are read by `check_values`)
+        sums, ints, phi, (ratio, w_is, keep) = stages.terms(c, logp, logp_ref, adv, ent, rewards_local)
         sums, ints = c.gather(sums.T).T.contiguous(), c.gather(ints.T).T.contiguous()
-        scalars = stages.finish(sums, ints, contract)[0]
+        scalars, _, flag = stages.finish(sums, ints, contract)
         loss = scalars[0]
-        derived = None if rewards_all is None else (advantages_all, rewards_all, contract.groups)
-        bad = ints[1].any() | ~torch.isfinite(loss)
-        if derived is not None:  # a group's NaN advantages reach no loss when the group has no active token
-            bad |= ~torch.isfinite(advantages_all).all()
-        if bool(bad):  # every rank holds what it reads
-            check_everywhere(c, ints[1], loss, logp, logp_ref, derived, _names(bias, ref_hidden), sums[1])
+        stages.settle(c, (checked["logits"], checked["logits"] if ref_hidden is not None else None, ref_logps,
+                          checked["old"], rewards, advantages, importance_sampling_ratio, sampling_logps), flag,
+                      ints[1], loss, logp, logp_ref,
+                      None if rewards_all is None else (advantages_all, rewards_all, contract.groups),
+                      _names(bias, ref_hidden), sums[1], "linear_grpo_loss (triton kernels)")
 
         # The gradient (its second pass when the coefficients needed the whole sequence or batch)
         if grads is not None and two_pass:
@@ -711,10 +719,12 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                      off_policy_mask_threshold: float | None = None, sampling_logps: torch.Tensor | None = None,
                      vespo_k_pos: float | None = None, vespo_lambda_pos: float | None = None,
                      vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None, entropy: bool = False,
-                     entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0) -> GRPOLossResult:
+                     entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0,
+                     check_values: str = "deferred") -> GRPOLossResult:
     """The fused linear loss in one process: `LinearGRPOLossOp(kernels).apply` with the contract these arguments
-    make (the same options as the logits op: `grpo_loss`'s docstring and the README). `hidden` `[B, T, H]`,
-    `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss, policy_loss, kl`."""
+    make (the same options as the logits op: `grpo_loss`'s docstring and the README; `check_values` as `apply`'s).
+    `hidden` `[B, T, H]`, `weight` `[V, H]`; `completion_mask` None: every token is active. Unpacks as `loss,
+    policy_loss, kl`."""
     check_tensor("action_ids", action_ids)
     B, T, completion_mask = _plain_call(hidden, weight, completion_mask)
     kind = AdvantagesInput.REWARDS
@@ -735,7 +745,7 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
                                            completion_mask=completion_mask, bias=bias, ref_logps=ref_logps,
                                            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
                                            advantages=advantages, importance_sampling_ratio=importance_sampling_ratio,
-                                           sampling_logps=sampling_logps)
+                                           sampling_logps=sampling_logps, check_values=check_values)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,

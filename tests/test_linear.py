@@ -7,11 +7,13 @@ and requires it to move a bit, so that the comparison is shown able to fail."""
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import HAS_CUDA, assert_bitwise_equal, assert_close_verbose, bits
 from grpo_core import GRPOLossContract, LossContractError, ShardingSpec, kernel_registry, linear
@@ -617,20 +619,114 @@ def test_empty_hidden_states_name_hidden(shape):
                          advantage_std="none", kernels="torch")
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_the_fused_loss_names_the_hidden_states_and_weights(kernels):
+DEFERRED = r"linear_grpo_loss \(triton kernels\) \(call #\d+, checked after it returned\): "
+
+
+@pytest.mark.parametrize("kernels, check", [("torch", "sync"), ("triton", "sync"), ("triton", "deferred")])
+def test_the_fused_loss_names_the_hidden_states_and_weights(kernels, check):
     """A NaN weight row names hidden / weight (not the logits the caller never passed); reference hidden states
-    whose log-probs lie too far above the policy's name ref_hidden, not the rewards."""
+    whose log-probs lie too far above the policy's name ref_hidden, not the rewards. The Triton kernels' deferred
+    check says so after the op and the call (on the CPU it reads its flag at once: the call itself raises)."""
+    prefix = DEFERRED if check == "deferred" else ""
     inp = make()
     inp["weight"][inp["action_ids"][0, 0]] = float("nan")
-    with pytest.raises(LossContractError, match=r"^hidden / weight / bias: expected finite log-probabilities at active "
-                                                r"tokens, got NaN at \(b, t\) \[\(0, 0\)"):
-        run(inp, kernels)
+    with pytest.raises(LossContractError, match=rf"^{prefix}hidden / weight / bias: expected finite log-probabilities "
+                                                r"at active tokens, got NaN at \(b, t\) \[\(0, 0\)"):
+        run(inp, kernels, check_values=check)
     inp = make(bias=False)
     inp["hidden"], inp["ref_hidden"] = inp["hidden"] * 1e4, inp["ref_hidden"] * 1e4
-    with pytest.raises(LossContractError, match=r"^ref_hidden: expected reference log-probs within float32 reach of "
-                                                r"the policy's, got a KL term that overflows float32"):
-        run(inp, kernels)
+    with pytest.raises(LossContractError, match=rf"^{prefix}ref_hidden: expected reference log-probs within float32 "
+                                                r"reach of the policy's, got a KL term that overflows float32"):
+        run(inp, kernels, check_values=check)
+
+
+@pytest.mark.parametrize("case", ["id", "negative id", "mask value", "reward", "old", "ref_logps", "advantages",
+                                  "importance ratio", "importance ratio, off-policy mask", "sampling"])
+def test_the_triton_kernels_flag_every_value_the_torch_kernels_check(case):
+    """The torch kernels check the inputs' values before the pass (device syncs); the Triton kernels run the pass and
+    flag them in the stages: `check_values="sync"` raises the torch kernels' very words, "deferred" the same after
+    the op and the call."""
+    inp, kw = make(), dict(samples_per_prompt=2)
+    B, T = inp["action_ids"].shape
+    if case == "id":
+        inp["action_ids"][1, 0] = inp["weight"].shape[0]
+    elif case == "negative id":
+        inp["action_ids"][2, 0] = -1
+    elif case == "mask value":
+        inp["completion_mask"] = inp["completion_mask"].float()
+        inp["completion_mask"][0, 0] = 2.0
+    elif case == "reward":
+        inp["rewards"][1] = float("nan")
+    elif case == "old":
+        inp["old_logps"][3, 0] = float("inf")
+    elif case == "ref_logps":
+        kw.update(ref_hidden=None, ref_logps=inp["old_logps"].clone())
+        kw["ref_logps"][3, 0] = float("nan")
+    elif case == "advantages":
+        inp["rewards"] = None
+        kw = dict(advantages=torch.randn(B, T, device=DEV), samples_per_prompt=None)
+        kw["advantages"][1, 0] = float("inf")
+    elif case.startswith("importance ratio"):
+        kw["importance_sampling_ratio"] = torch.ones(B, T, device=DEV)
+        kw["importance_sampling_ratio"][0, 0] = -1.0
+        if case.endswith("mask"):  # the mask drops sequence 0 (A < 0, far off policy): its weights read 0.0
+            inp["rewards"][:2] = torch.tensor([-1.0, 1.0])
+            kw.update(off_policy_mask_threshold=0.5, sampling_logps=inp["old_logps"] + 10.0)
+    else:
+        kw.update(off_policy_mask_threshold=0.5, sampling_logps=inp["old_logps"].clone())
+        kw["sampling_logps"][2, 0] = -float("inf")
+    with pytest.raises(LossContractError) as want:
+        run(inp, "torch", **kw)
+    for check, prefix in (("sync", ""), ("deferred", DEFERRED)):
+        with pytest.raises(LossContractError, match=f"^{prefix}{re.escape(str(want.value))}$"):
+            run(inp, "triton", check_values=check, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: on the CPU the check is immediate")
+def test_the_deferred_check_raises_at_a_later_call():
+    """On the GPU a call with a bad value returns (no device sync); the error names it at the latest
+    `pending.AHEAD` calls later, and the next good call runs."""
+    inp = make()
+    bad = {**inp, "rewards": inp["rewards"].clone()}
+    bad["rewards"][1] = float("nan")
+    run(bad, "triton")
+    with pytest.raises(LossContractError, match=DEFERRED + r"rewards: expected finite values, got non-finite at "
+                                                          r"sequences \[1\]"):
+        for _ in range(linear.pending.AHEAD):
+            run(inp, "triton")
+    run(inp, "triton")
+    linear.pending.raise_pending()
+
+
+class _HostReads(TorchDispatchMode):
+    """Logs the ops that read a tensor's values on the host (a device sync on CUDA)."""
+
+    READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::masked_select")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        masks = [t for a in args if isinstance(a, (list, tuple)) for t in a
+                 if isinstance(t, torch.Tensor) and t.dtype == torch.bool]
+        if name in self.READS or (name.startswith("aten::index") and masks):  # a boolean index: a nonzero
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("over", [dict(), dict(old_logps=None, beta=0.0, ref_hidden=None),
+                                  dict(importance_sampling_level="sequence", entropy_coef=0.01)])
+def test_the_triton_kernels_read_one_value_on_the_host(over):
+    """With the Triton kernels and the deferred check, a forward+backward reads one thing on the host, the active
+    tokens (`nonzero`): the values are checked by the stages' flags, handed to `pending` unread."""
+    inp, over = _resolve(make(), over)
+    with mock.patch.object(linear.pending, "defer") as defer, _HostReads() as log:
+        run(inp, "triton", **over)
+    assert log.reads == ["aten::nonzero"]
+    assert defer.call_count == 1 and defer.call_args.args[2] == "linear_grpo_loss (triton kernels)"
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

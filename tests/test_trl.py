@@ -318,6 +318,50 @@ def test_trl_baseline_is_deterministic(tiny_model, tmp_path):
         assert all(torch.equal(pa[name], pb[name]) for name in pa)
 
 
+def test_a_deferred_bad_value_raises_before_its_optimizer_step(tiny_model, tmp_path, monkeypatch):
+    """On CUDA the loss defers its value checks (`pending`); the trainer reads them before each optimizer step. Here
+    (the CPU's torch kernels check in the call) the third micro-batch's loss leaves a bad check pending, as a GPU call
+    would: training stops before the second step's optimizer step, the first one taken."""
+    from grpo_core import LossContractError, pending
+    from grpo_core.integrations import trl as ours
+
+    class Pending:  # a flag the GPU has not produced yet
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    def planted():
+        raise LossContractError("advantages: planted")
+
+    calls, result = [], ours.GRPOLinearLoss.result  # what the trainer calls, once a micro-batch
+
+    def leaves_a_bad_check(self, *args, **kwargs):
+        calls.append(len(calls) + 1)
+        out = result(self, *args, **kwargs)
+        if len(calls) == 3:
+            pending._enqueue(pending._Check(0, "linear_grpo_loss (triton kernels)", torch.ones((), dtype=torch.int32),
+                                            Pending(), planted))
+        return out
+
+    monkeypatch.setattr(ours.GRPOLinearLoss, "result", leaves_a_bad_check)
+    monkeypatch.setattr(pending, "_local", type(pending._local)())  # this test's own queue, whatever happens
+    trainer = make_trainer(tiny_model, tmp_path, GRPOCoreTrainer, loss_type="dapo", beta=0.0, max_steps=2)
+    steps = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    trainer.add_callback(Steps())
+    with pytest.raises(LossContractError, match=r"^linear_grpo_loss \(triton kernels\) \(call #0, checked after it "
+                                                r"returned\): advantages: planted$"):
+        trainer.train()
+    assert steps == [1] and calls == [1, 2, 3, 4]
+    pending.raise_pending()  # nothing left
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(loss_type="vespa"), "loss_type"),
     (dict(loss_type="vespo", delta=2.0), "delta"),

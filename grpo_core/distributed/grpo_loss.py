@@ -145,9 +145,12 @@ def finish_stage(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContr
                                                                        contract.normalizer_value)
 
 
+LOGITS = ("policy_logits", "ref_logits")  # the arguments the log-probs come from, for the messages
+
+
 def check_everywhere(c: LossCall, flags: torch.Tensor, loss: torch.Tensor, logp: torch.Tensor,
-                     logp_ref: torch.Tensor | None, derived: tuple | None,
-                     names: tuple[str, str] = ("policy_logits", "ref_logits"), kl: torch.Tensor | None = None) -> None:
+                     logp_ref: torch.Tensor | None, derived: tuple | None, names: tuple[str, str] = LOGITS,
+                     kl: torch.Tensor | None = None) -> None:
     """Raises now, on every rank together: every rank holds the gathered `flags` (non-finite log-probs per
     sequence), `derived` (the whole batch's `(advantages, rewards, groups)`, or None) and the loss. `names`: the
     arguments the log-probs come from; `kl`: the per-sequence KL sums, for `check_loss`'s words (`names[1]`)."""
@@ -273,8 +276,6 @@ class DistributedGRPOLossOp:
         weights, multiplied into each token's surrogate term (the same on TP siblings); `sampling_logps`
         `[n_local, padded_seq_len]`: the sampler's log-probs for `contract.off_policy_mask_threshold` (default
         `old_logps`; the same on TP siblings)."""
-        if check_values not in ("deferred", "sync"):
-            raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
         pending.poll((tp_group, dp_group))  # this op's collective checks: every rank raises at the same call
         triton_runs = False
         tensors = {"policy_local_logits": policy_local_logits, "ref_local_logits": ref_local_logits,
@@ -285,6 +286,8 @@ class DistributedGRPOLossOp:
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
             nonlocal triton_runs
             pending.poll()  # this process's local checks: what one rank raises here, every rank raises
+            if check_values not in ("deferred", "sync"):
+                raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             check_tensor("policy_logits", policy_local_logits)  # its type, then the contract's shape, then the rest
@@ -311,7 +314,7 @@ class DistributedGRPOLossOp:
                                      importance_sampling_ratio, sampling_logps)
 
         mask = preflight(contract, BACKEND_ID, tensors, local_checks, replicated, tp_group, dp_group,
-                         lambda: {"kernels": "triton" if triton_runs else "torch"})
+                         lambda: {"kernels": "triton" if triton_runs else "torch", "check_values": check_values})
         k = _TritonKernels() if triton_runs else _TorchKernels(self._token_sum)
         c = LossCall.of(contract, mask, action_ids, completion_mask, old_logps, importance_sampling_ratio,
                         sampling_logps, tp_group, dp_group, check_values)
@@ -417,25 +420,22 @@ class _TorchKernels:
                                                    entropy)
             full = torch.zeros(n * T, dtype=torch.float32, device=x.device)
             ent = [full.index_put((rows,), h[0]).view(n, T)] if h else []
-            return full.index_put((rows,), selected - lse).view(n, T), lse, ~torch.isfinite(selected - lse), *ent
+            return full.index_put((rows,), selected - lse).view(n, T), lse, *ent
 
-        logp, lse, bad_rows, *ent = logprobs(x, c.contract.entropy)
+        logp, lse, *ent = logprobs(x, c.contract.entropy)
         ent = ent[0] if ent else None
-        logp_ref = given_ref  # checked finite at active tokens by the preflight
-        if ref is not None:
-            logp_ref, _, bad_ref = logprobs(ref)
-            bad_rows |= bad_ref
-        bad = torch.zeros(n * T, dtype=torch.int64, device=x.device).index_put((rows,), bad_rows.long())
-        sums, ints, phi, (ratio, w_is, keep) = self.terms(c, logp, logp_ref, adv, ent, rewards, bad.view(n, T).sum(-1))
+        logp_ref = given_ref if ref is None else logprobs(ref)[0]
+        sums, ints, phi, (ratio, w_is, keep) = self.terms(c, logp, logp_ref, adv, ent, rewards)
         return logp, logp_ref, sums, ints, phi, ent, (rows, ids, lse, ratio, adv, w_is, keep, ent)
 
-    def terms(self, c: LossCall, logp, logp_ref, adv, ent, rewards, bad):
+    def terms(self, c: LossCall, logp, logp_ref, adv, ent, rewards):
         """From this rank's fp32 `[n, T]` log-probs (`ent`: the entropies, or None): `(per-sequence sums fp32 [3, n]
-        (surrogate, KL, ratio (, entropy, kept entropy)), ints int64 [3, n] (active tokens, `bad`: each sequence's
-        bad-value flag, clipped tokens (, kept tokens)), vespo's phi (or None), (ratio, importance weights, kept
-        tokens))` (`token_terms`). (`rewards`: the Triton kernels' use.)"""
+        (surrogate, KL, ratio (, entropy, kept entropy)), ints int64 [3, n] (active tokens, non-finite log-probs
+        (the preflight checked the inputs' values), clipped tokens (, kept tokens)), vespo's phi (or None), (ratio,
+        importance weights, kept tokens))` (`token_terms`). (`rewards`: the Triton kernels' use.)"""
         sums, ints, phi, state = token_terms(c, logp, logp_ref, adv, ent, canonical.exp, self.token_sum)
-        return torch.stack(sums), torch.stack([c.mask.sum(-1), bad, *ints]), phi, state
+        finite = torch.isfinite(logp) if logp_ref is None else torch.isfinite(logp) & torch.isfinite(logp_ref)
+        return torch.stack(sums), torch.stack([c.mask.sum(-1), (c.mask & ~finite).sum(-1), *ints]), phi, state
 
     @staticmethod
     def finish(sums: torch.Tensor, ints: torch.Tensor, contract: GRPOLossContract):
@@ -443,9 +443,11 @@ class _TorchKernels:
         return (*finish_stage(sums, ints, contract), None)
 
     @staticmethod
-    def settle(c: LossCall, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
-        """Raises now (`check_everywhere`). (`inputs` and `flag`, None here: the Triton kernels' use.)"""
-        check_everywhere(c, flags, loss, logp, logp_ref, derived)
+    def settle(c: LossCall, inputs, flag, flags, loss, logp, logp_ref, derived, names=LOGITS, kl=None,
+               label=None) -> None:
+        """Raises now (`check_everywhere`, `names` and `kl` as there). (`inputs`, `flag` (None here) and `label`: the
+        Triton kernels' use.)"""
+        check_everywhere(c, flags, loss, logp, logp_ref, derived, names, kl)
 
     @staticmethod
     def grad(c: LossCall, state, logp, logp_ref, w, logits, grad_loss, entropy_weight=None) -> torch.Tensor:
@@ -513,10 +515,10 @@ class _TritonKernels:
         return logp[0], logp_ref, sums, ints, phi, ent, (lse[0], adv, ratio, w_is, keep, ent)
 
     @staticmethod
-    def terms(c: LossCall, logp, logp_ref, adv, ent, rewards, bad=None):
+    def terms(c: LossCall, logp, logp_ref, adv, ent, rewards):
         """As `_TorchKernels.terms`, the token terms and their sums in one kernel (`kernels.sequence_sums`), whose
-        flags also cover the inputs' values (`rewards`: fp32, this rank's, or None, are checked); `bad` (or None):
-        the flags to report in their place. The ratio: GSPO's sequence ratios, else None (the kernel's alone)."""
+        flags also cover the inputs' values (`rewards`: fp32, this rank's, or None, are checked). The ratio: GSPO's
+        sequence ratios, else None (the kernel's alone)."""
         from ..triton import canonical as kernels
         o = c.contract
         ratio = None  # GSPO: the sequence ratios of `canonical`, read by the kernels and the gradient
@@ -528,13 +530,10 @@ class _TritonKernels:
         sums, ints = kernels.sequence_sums(logp, logp_ref, c.old, c.completion_mask, c.action_ids, adv, rewards,
                                            o.vocab_size, *c.clip, o.delta, w_is, o.use_bias_correction_kl,
                                            o.surrogate, o.sapo_temperatures, ratio)
-        if bad is not None:
-            ints[1] = bad
-        else:
-            if c.sampling is not None:  # a +-inf sampler log-prob at an active token: the sequence's bad-value flag
-                ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
-            if c.is_ratio is not None and w_is is not c.is_ratio:  # the kernels read the computed weights: the
-                ints[1] |= (c.mask & ~((c.is_ratio >= 0.0) & (c.is_ratio < math.inf))).any(-1)  # given ones here
+        if c.sampling is not None:  # a +-inf sampler log-prob at an active token: the sequence's bad-value flag
+            ints[1] |= (c.mask & torch.isinf(c.sampling)).any(-1)
+        if c.is_ratio is not None and w_is is not c.is_ratio:  # the kernels read the computed weights: the given
+            ints[1] |= (c.mask & ~((c.is_ratio >= 0.0) & (c.is_ratio < math.inf))).any(-1)  # ones here
         if ent is not None:  # the entropy's sums over the active tokens and over the kept ones, the kept tokens
             sums = torch.cat([sums, torch.stack([canonical.pair_sum(ent), canonical.pair_sum(torch.where(keep, ent,
                                                                                                        0.0))])])
@@ -554,11 +553,13 @@ class _TritonKernels:
         return scalars, w, flag
 
     @staticmethod
-    def settle(c: LossCall, inputs, flag, flags, loss, logp, logp_ref, derived) -> None:
-        """Hands `flag` to `pending` with this rank's `inputs` (policy and reference logits, `ref_logps`,
-        `old_logps`, rewards, advantages, as given) by `c.check_values`; the precise error comes from the rank that
-        holds the bad value, the others name the sequences; every rank of the world raises at the same call (the
-        world's groups are the key of its deferred checks)."""
+    def settle(c: LossCall, inputs, flag, flags, loss, logp, logp_ref, derived, names=LOGITS, kl=None,
+               label="grpo_loss (distributed, triton kernels)") -> None:
+        """Hands `flag` to `pending` with this rank's `inputs` (policy and reference logits (or what has their shape,
+        dtype and device), `ref_logps`, `old_logps`, rewards, advantages, as given) by `c.check_values`; the precise
+        error comes from the rank that holds the bad value, the others name the sequences; every rank of the world
+        raises at the same call (the world's groups are the key of its deferred checks). `names`, `kl`: as in
+        `check_everywhere`; `label`: the op, in a deferred error."""
         s, contract = c.contract.sharding, c.contract
         seq_lo, seq_hi = s.sequence_bounds
         policy, ref, ref_logps, old_logps, rewards, advantages, is_ratio, sampling = inputs
@@ -571,11 +572,11 @@ class _TritonKernels:
                                 vocab_size=contract.vocab_size, num_rewards=seq_hi - seq_lo, rewards_required=True,
                                 advantages=kept[4], advantages_input=contract.advantages_input, ref_logps=kept[5],
                                 importance_sampling_ratio=kept[6], sampling_logps=kept[7])
-            check_logprobs(logp, logp_ref, mask)
+            check_logprobs(logp, logp_ref, mask, names)
             if derived is not None:
                 check_derived_advantages(*derived)
             if not bool(flags.any()):  # no input flagged on any rank: the loss itself (`_finish_kernel`'s flag)
-                check_loss(loss)
+                check_loss(loss, kl, names[1])
             if s.tp_world_size * s.dp_world_size == 1:  # no other rank: `pending` says the inputs changed since
                 return
             seqs = flags.nonzero().flatten()[:8].tolist()
@@ -586,7 +587,7 @@ class _TritonKernels:
         if c.check_values == "sync":
             pending.raise_now(flag, recheck)
         else:
-            pending.defer(flag, recheck, "grpo_loss (distributed, triton kernels)",
+            pending.defer(flag, recheck, label,
                           group=(c.tp_group, c.dp_group) if s.tp_world_size * s.dp_world_size > 1 else None)
 
     @staticmethod

@@ -16,7 +16,9 @@ TRL's log-prob pass: it runs the backbone for the hidden states of the completio
 head's weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation
 trainer does. TRL's old and reference log-probabilities come from the loss's own kernels (`linear_logprobs` on the same
 backbone call), so on policy every ratio is exactly 1.0 and the KL against an identical reference exactly 0.0;
-generation, rewards and advantages stay TRL's. `record_dir=` records every micro-batch's per-sequence numbers and
+generation, rewards and advantages stay TRL's. On CUDA the loss checks its inputs' values without a device sync (its
+`check_values="deferred"`); the trainer reads those checks before each optimizer step, so a bad value raises before
+its gradients reach the weights. `record_dir=` records every micro-batch's per-sequence numbers and
 digests (`grpo_core.recorder`; `python -m harness diff` compares two runs). It logs what TRL logs of the loss: `kl`
 (beta != 0), `entropy` (the loss's token entropies, `contract.entropy`), the clip ratio of the loss type
 (`clip_ratio/region_mean`; cispo's `cispo_clip_ratio`; none for sapo and vespo, which clip nothing), vespo's
@@ -59,6 +61,7 @@ from typing import Any
 import torch
 
 from ..linear import linear_grpo_loss, linear_logprobs
+from ..pending import raise_pending
 from ..recorder import TrainingRecorder
 from ..result import GRPOLossResult
 
@@ -212,6 +215,13 @@ def _grpo_core_trainer() -> type:
         def on_train_end(self, args, state, control, **kwargs):
             self.recorder.close()
 
+    class _CheckValues(TrainerCallback):
+        """Reads the loss's deferred value checks (`grpo_core.raise_pending`) before each optimizer step: a bad input
+        value of any micro-batch raises before its gradients reach the weights."""
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            raise_pending()
+
     class GRPOCoreTrainer(GRPOTrainer):
         """TRL's `GRPOTrainer` with grpo-core's fused linear GRPO loss: same arguments, same training loop, same
         logged `loss`, `kl` and clip ratio (`clip_ratio/region_mean`, cispo's `cispo_clip_ratio`, none for sapo; with
@@ -245,6 +255,7 @@ def _grpo_core_trainer() -> type:
                 vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
                 vespo_lambda_neg=a.vespo_lambda_neg, entropy=True, top_entropy_quantile=self.top_entropy_quantile)
             self.grpo_core_redirection = _ForwardRedirection()
+            self.add_callback(_CheckValues())
             self.grpo_core_recorder = None
             if record_dir is not None:
                 self.grpo_core_recorder = TrainingRecorder(record_dir, rank=self.accelerator.process_index, metadata={
