@@ -348,6 +348,7 @@ def test_a_deferred_bad_value_raises_before_its_optimizer_step(tiny_model, tmp_p
     monkeypatch.setattr(ours.GRPOLinearLoss, "result", leaves_a_bad_check)
     monkeypatch.setattr(pending, "_local", type(pending._local)())  # this test's own queue, whatever happens
     trainer = make_trainer(tiny_model, tmp_path, GRPOCoreTrainer, loss_type="dapo", beta=0.0, max_steps=2)
+    assert trainer.grpo_core_loss.check_values == "deferred"  # one process (`tests/trl_world.py`: two, "sync")
     steps = []
 
     class Steps(TrainerCallback):

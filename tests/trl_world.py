@@ -50,6 +50,9 @@ def main(model_dir: str, out_dir: str, record_dir: str, per_device: int) -> None
     torch.set_num_threads(1)
     trainer = make_trainer(model_dir, out_dir, lambda **kw: CannedTrainer(record_dir=record_dir, **kw),
                            loss_type="grpo", beta=0.04, per_device_train_batch_size=per_device)
+    # each process's loss checks its values in the call when DDP would average a bad one into the others' gradients
+    many = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    assert trainer.grpo_core_loss.check_values == ("sync" if many else "deferred"), trainer.grpo_core_loss.check_values
     trainer.train()  # the recorder's files are written when it returns
     if torch.distributed.is_initialized():
         # Every rank done, then out without tearing gloo down: `destroy_process_group` joins gloo's loop thread

@@ -16,17 +16,18 @@ TRL's log-prob pass: it runs the backbone for the hidden states of the completio
 head's weight and bias, to `GRPOLinearLoss`, routed through the DDP / FSDP wrapper's forward as TRL's distillation
 trainer does. TRL's old and reference log-probabilities come from the loss's own kernels (`linear_logprobs` on the same
 backbone call), so on policy every ratio is exactly 1.0 and the KL against an identical reference exactly 0.0;
-generation, rewards and advantages stay TRL's. On CUDA the loss checks its inputs' values without a device sync (its
-`check_values="deferred"`); the trainer reads those checks before each optimizer step, so a bad value raises before
-its gradients reach the weights. `record_dir=` records every micro-batch's per-sequence numbers and
-digests (`grpo_core.recorder`; `python -m harness diff` compares two runs). It logs what TRL logs of the loss: `kl`
-(beta != 0), `entropy` (the loss's token entropies, `contract.entropy`), the clip ratio of the loss type
-(`clip_ratio/region_mean`; cispo's `cispo_clip_ratio`; none for sapo and vespo, which clip nothing), vespo's
-`vespo/phi_seq_mean`, and with an entropy bonus `policy_loss` and `entropy_coef`; not the low / high clip ratios, which
-the loss does not compute. TRL's entropy options run as in TRL: `entropy_coef` (the bonus, a mean over the kept tokens
-divided by the accumulation alone), `top_entropy_quantile` (the policy terms of the tokens below the quantile dropped:
-one process only, TRL's quantile spans the processes) and `use_adaptive_entropy` (TRL's controller and its state,
-checkpointed by TRL).
+generation, rewards and advantages stay TRL's. On CUDA in one process the loss checks its inputs' values without a
+device sync (its `check_values="deferred"`) and the trainer reads those checks before each optimizer step, so a bad
+value raises before its gradients reach the weights; on more than one process each loss call checks them itself
+(`"sync"`: a process must raise before DDP averages its gradients into the others'). `record_dir=` records every
+micro-batch's per-sequence numbers and digests (`grpo_core.recorder`; `python -m harness diff` compares two runs). It
+logs what TRL logs of the loss: `kl` (beta != 0), `entropy` (the loss's token entropies, `contract.entropy`), the clip
+ratio of the loss type (`clip_ratio/region_mean`; cispo's `cispo_clip_ratio`; none for sapo and vespo, which clip
+nothing), vespo's `vespo/phi_seq_mean`, and with an entropy bonus `policy_loss` and `entropy_coef`; not the low / high
+clip ratios, which the loss does not compute. TRL's entropy options run as in TRL: `entropy_coef` (the bonus, a mean
+over the kept tokens divided by the accumulation alone), `top_entropy_quantile` (the policy terms of the tokens below
+the quantile dropped: one process only, TRL's quantile spans the processes) and `use_adaptive_entropy` (TRL's controller
+and its state, checkpointed by TRL).
 
 Loss types (TRL's semantics; each is the op's `loss_type`): grpo, bnpo, dr_grpo and dapo (the clipped surrogate
 under their token normalizers); cispo (`-sg(min(ratio, epsilon_high)) * A * logp`, the ratio clamped at
@@ -76,7 +77,8 @@ class GRPOLinearLoss(torch.nn.Module):
     """Liger's `LigerFusedLinearGRPOLoss` interface on `linear_grpo_loss`. `compiled` and `chunk_size` are accepted
     and ignored (the op chunks the tokens itself); the SAPO temperatures reach the loss with loss_type='sapo' only,
     the VESPO parameters with 'vespo' only. `use_ref_model=False` makes the KL term zero (Liger then compares the
-    policy with itself). `result(...)` takes `forward`'s arguments and returns the op's whole `GRPOLossResult`."""
+    policy with itself). `result(...)` takes `forward`'s arguments and returns the op's whole `GRPOLossResult`.
+    `check_values`: the op's (with the Triton kernels, "deferred" or "sync": `linear_grpo_loss`)."""
 
     def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
@@ -85,7 +87,8 @@ class GRPOLinearLoss(torch.nn.Module):
                  delta: float | None = None, use_bias_correction_kl: bool = False,
                  off_policy_mask_threshold: float | None = None, vespo_k_pos: float = 2.0,
                  vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-                 entropy: bool = False, entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0):
+                 entropy: bool = False, entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0,
+                 check_values: str = "deferred"):
         super().__init__()
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r}")
@@ -107,6 +110,7 @@ class GRPOLinearLoss(torch.nn.Module):
         self.vespo_gamma = {"vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos,
                             "vespo_k_neg": vespo_k_neg, "vespo_lambda_neg": vespo_lambda_neg}
         self.entropy, self.entropy_coef, self.top_entropy_quantile = entropy, entropy_coef, top_entropy_quantile
+        self.check_values = check_values
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Liger's `(loss, metrics)` of `result(...)`: `metrics = (kl, clip_ratio)` when `beta != 0`, else
@@ -150,7 +154,7 @@ class GRPOLinearLoss(torch.nn.Module):
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             sampling_logps=None if self.off_policy_mask_threshold is None else sampling_per_token_logps,
             entropy=self.entropy, top_entropy_quantile=self.top_entropy_quantile,
-            entropy_coef=self.entropy_coef if entropy_coef is None else entropy_coef,
+            entropy_coef=self.entropy_coef if entropy_coef is None else entropy_coef, check_values=self.check_values,
             **self._term_options(), **self._normalizer(attention_mask, num_items_in_batch))
 
     def _term_options(self) -> dict[str, float]:
@@ -253,7 +257,8 @@ def _grpo_core_trainer() -> type:
                 off_policy_mask_threshold=a.off_policy_mask_threshold,
                 sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
                 vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
-                vespo_lambda_neg=a.vespo_lambda_neg, entropy=True, top_entropy_quantile=self.top_entropy_quantile)
+                vespo_lambda_neg=a.vespo_lambda_neg, entropy=True, top_entropy_quantile=self.top_entropy_quantile,
+                check_values="deferred" if self.accelerator.num_processes == 1 else "sync")
             self.grpo_core_redirection = _ForwardRedirection()
             self.add_callback(_CheckValues())
             self.grpo_core_recorder = None
