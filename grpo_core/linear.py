@@ -557,8 +557,7 @@ class LinearGRPOLossOp:
 
         def local_checks() -> torch.Tensor:  # inside the preflight: what one rank raises, every rank raises
             pending.poll()  # this process's local checks
-            if check_values not in ("deferred", "sync"):
-                raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
+            pending.check_mode(check_values)
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             T = contract.padded_seq_len

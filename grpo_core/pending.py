@@ -54,6 +54,12 @@ _shared: dict[Hashable, collections.deque[_Check]] = {}  # collective key -> its
 _rings: dict[torch.dtype, torch.Tensor] = {}
 
 
+def check_mode(check_values: Any) -> None:
+    """The contract-path ops' `check_values` argument: "deferred" (`defer`) or "sync" (`raise_now`)."""
+    if check_values not in ("deferred", "sync"):
+        raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
+
+
 def defer(flag: torch.Tensor, recheck: Callable[[], None], label: str, group: Hashable | None = None) -> None:
     """Queues the 0-d device tensor `flag` (nonzero: a bad value) of one call of `label`; `recheck()` must raise
     the precise error. `group`: None for a local flag, else the key of the process groups whose ranks all hold this

@@ -123,6 +123,9 @@ FAULTS = [
      lambda a, lay: a.update(is_ratio=torch.full_like(a["old"], 2.0)), "importance_sampling_ratio (at active tokens)"),
     ("TP siblings hold different masks", lambda lay: lay.tp > 1, {}, _flip_mask, "completion_mask"),
     ("call numbers out of step", lambda lay: True, {}, _lose_a_call, "sequence mismatch"),
+    ("check_values='later'", lambda lay: True, {}, _set(check_values="later"),
+     "check_values: expected 'deferred' or 'sync', got 'later'"),
+    ("another check_values", lambda lay: True, {}, _set(check_values="sync"), "they disagree on check_values: "),
     ("another kernel set", lambda lay: True, {}, _set(op=DistributedGRPOLossOp("triton")),
      "they disagree on kernels: " if not HAS_CUDA else "kernels: 'triton' needs CUDA tensors"),
     ("NaN policy logit at an active token", lambda lay: True, {}, _nan_logit, None),  # after the preflight
@@ -136,7 +139,7 @@ def _args(inp: dict, lay: Layout, p, beta: float, ref: bool = True) -> dict:
     return dict(contract=c, policy=inp["policy_logits"][lo:hi, :, vlo:vhi], ref_full=ref_local,
                 ref=ref_local if ref else None, ids=inp["action_ids"][lo:hi], old=inp["old_logps"][lo:hi],
                 rewards=inp["rewards"][lo:hi], mask=inp["completion_mask"][lo:hi], tp_group=p.tp_group,
-                dp_group=p.dp_group, explode=False, is_ratio=None, op=OP)
+                dp_group=p.dp_group, explode=False, is_ratio=None, op=OP, check_values="deferred")
 
 
 def _call(a: dict) -> None:
@@ -149,7 +152,7 @@ def _call(a: dict) -> None:
     try:
         a["op"].apply(a["policy"], a["ids"], a["old"], a["rewards"], contract=a["contract"], completion_mask=a["mask"],
                  ref_local_logits=a["ref"], tp_group=a["tp_group"], dp_group=a["dp_group"],
-                 importance_sampling_ratio=a["is_ratio"])
+                 importance_sampling_ratio=a["is_ratio"], check_values=a["check_values"])
     finally:
         module.check_inputs = original
 

@@ -279,11 +279,12 @@ def test_every_layout_gives_the_same_bits(kernels):
     (dict(ref_logps=torch.zeros(4, 5, dtype=torch.int64), ref_hidden=None),
      r"ref_logps: expected a floating dtype, got torch.int64"),
     (dict(kernels="cuda"), r"kernels: expected 'auto', 'triton' or 'torch', got 'cuda'"),
+    (dict(check_values="later"), r"^check_values: expected 'deferred' or 'sync', got 'later'$"),
 ])
 def test_bad_inputs_name_the_argument(change, match):
     inp = make(device="cpu")
     kw = dict(bias=inp["bias"], ref_hidden=inp["ref_hidden"], samples_per_prompt=2, kernels="torch")
-    for key in ("ref_hidden", "ref_logps", "bias", "kernels"):
+    for key in ("ref_hidden", "ref_logps", "bias", "kernels", "check_values"):
         if key in change:
             kw[key] = change.pop(key)
     if "weight_dtype" in change:

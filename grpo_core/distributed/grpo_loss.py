@@ -286,8 +286,7 @@ class DistributedGRPOLossOp:
         def local_checks() -> torch.Tensor:  # runs inside the preflight: whatever it raises reaches every rank
             nonlocal triton_runs
             pending.poll()  # this process's local checks: what one rank raises here, every rank raises
-            if check_values not in ("deferred", "sync"):
-                raise LossContractError(f"check_values: expected 'deferred' or 'sync', got {check_values!r}")
+            pending.check_mode(check_values)
             s = contract.sharding
             (seq_lo, seq_hi), (v_lo, v_hi) = s.sequence_bounds, s.vocab_bounds
             check_tensor("policy_logits", policy_local_logits)  # its type, then the contract's shape, then the rest
