@@ -76,7 +76,7 @@ _SQRT_HALF_BITS = tl.constexpr(C.SQRT_HALF_BITS)
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # The interpreter truncates fp32 -> bf16 (the GPU and torch round to nearest even): round with integer ops there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_EMULATE_FMA = tl.constexpr(_INTERPRET)  # see `_fma`
+_INTERPRETED = tl.constexpr(_INTERPRET)  # the interpreter's branches: `_fma`, `_row_max`, `_tiles`
 
 
 @triton.jit
@@ -90,11 +90,22 @@ def _min(a, b):
 
 
 @triton.jit
+def _row_max(x):
+    """The interpreter's `tl.reduce(x, 1, _max)`: each row's maximum of `x` `[R, C]`, NaN where the row holds one
+    (exact in any order). The interpreter runs a `tl.reduce` with a combine function element by element in Python
+    (35% of the fused linear loss's layout test, `test_linear.py`, went there); here numpy's maximum runs over the
+    row without its NaNs (`np.nanmax` would warn), and a test for NaN puts one back. The GPU's code reduces with
+    `_max` in place (a call of this would change its instructions)."""
+    nan = tl.max((x != x).to(tl.int32), 1) > 0
+    return tl.where(nan, float("nan"), tl.max(tl.where(x == x, x, float("-inf")), 1))
+
+
+@triton.jit
 def _fma(a, b, c):
     """`canonical.fma`: `a * b + c` rounded once. The interpreter computes it the way `canonical.fma` does (some
     Triton versions' interpreters round the product and the sum apart), and gives a positive NaN, as the GPU does
     (`exp_nonpos` keeps a NaN only if it is positive). This branch is not compiled for the GPU."""
-    if _EMULATE_FMA:
+    if _INTERPRETED:
         p = a.to(tl.float64) * b
         c = c + tl.full(p.shape, -0.0, tl.float64)  # a float64 block; x + -0.0 is x, -0.0 included
         s = p + c
@@ -149,7 +160,7 @@ def exp_nonpos_loop(x):
     maximum is NaN, and 0.0 is the reference's exp(-inf), `_tiles`): no clamp, the flush decided by `x`
     against `canonical.EXP_NONZERO` (where `exp` stops being 0: `canonical.exp`'s threshold, checked over every fp32
     in [-104, -80]), two instructions fewer per element."""
-    if _EMULATE_FMA:
+    if _INTERPRETED:
         x = _max(x, _EXP_MIN)  # the interpreter's float64 `_fma` would warn on inf - inf; the result is not taken
     p, t = _poly(x)
     bits = p.to(tl.int32, bitcast=True) + (t << 23)
@@ -342,10 +353,12 @@ def _tiles(x, inv, NT: tl.constexpr, W: tl.constexpr, LOG2W: tl.constexpr, SCALE
     x = x.to(tl.float32)
     if SCALE:
         x = x * inv
-    m = tl.reduce(x, 1, _max) + 0.0  # exact in any order (NaN if the tile holds one: the row raises); -0.0 -> +0.0
-    if _EMULATE_FMA:  # the same `e`, without numpy's warning on -inf - -inf
+    # m: exact in any order (NaN if the tile holds one: the row raises); -0.0 -> +0.0
+    if _INTERPRETED:  # the same `m` and `e`, faster (`_row_max`), without numpy's warning on -inf - -inf
+        m = _row_max(x) + 0.0
         d = x - tl.where(m == float("-inf"), 0.0, m)[:, None]
     else:
+        m = tl.reduce(x, 1, _max) + 0.0
         d = x - m[:, None]  # NaN in a tile of -inf alone: `e` is 0.0 there, the reference's exp(-inf - 0.0)
     e = exp_nonpos_loop(d)  # 0.0 where `exp_nonpos` gives NaN: tiles of -inf alone, tiles whose maximum is NaN or +inf
     u = tl.zeros((NT,), tl.float32)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .canonical import _max, _tiles
+from .canonical import _INTERPRETED, _max, _row_max, _tiles
 from .launch import cdiv
 
 # One H100 A/B (bf16, 4096 tokens, H 3584, V 151936, dz slices of 32768 columns; TFLOP/s logits / dH / dW; torch.mm
@@ -88,7 +88,10 @@ def _stats(x, rm, n0, ids_ptr, sel_ptr, stats_ptr, M, N, lo, tiles, R: tl.conste
         tl.store(stats_ptr + 2 * plane + offs, tl.reshape(u, (R, PER)), mask=ok)
     a = tl.load(ids_ptr + rm, mask=rm < M, other=-1) - lo
     cols = n0 + tl.arange(0, C)
-    z = tl.reduce(tl.where(cols[None, :] == a[:, None], x, float("-inf")), 1, _max)  # the one column's value
+    if _INTERPRETED:
+        z = _row_max(tl.where(cols[None, :] == a[:, None], x, float("-inf")))
+    else:
+        z = tl.reduce(tl.where(cols[None, :] == a[:, None], x, float("-inf")), 1, _max)  # the one column's value
     tl.store(sel_ptr + rm, z, mask=(rm < M) & (a >= n0) & (a < n0 + C) & (a < N))
 
 
