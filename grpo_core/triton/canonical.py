@@ -76,7 +76,7 @@ _SQRT_HALF_BITS = tl.constexpr(C.SQRT_HALF_BITS)
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # The interpreter truncates fp32 -> bf16 (the GPU and torch round to nearest even): round with integer ops there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_INTERPRETED = tl.constexpr(_INTERPRET)  # the interpreter's branches: `_fma`, `_row_max`, `_tiles`
+_INTERPRETED = tl.constexpr(_INTERPRET)  # the interpreter's branches: `_fma`, `exp_nonpos_loop`, `_tiles`, `_stats`
 
 
 @triton.jit
