@@ -33,19 +33,17 @@ interpreter's largest block holds 2**20 elements).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .canonical import _INTERPRETED, _max, _row_max, _tiles
+from .canonical import _INTERPRET, _INTERPRETED, _max, _row_max, _tiles
 from .launch import cdiv
 
 # One H100 A/B (bf16, 4096 tokens, H 3584, V 151936, dz slices of 32768 columns; TFLOP/s logits / dH / dW; torch.mm
 # at the same shapes 761 / 696 / 713): one program per tile, TMA 664 / 689 and pointer loads on dW 505; persistent,
 # pointer loads 677 / 539 / 494, TMA 652 / 703 / 630 (4 stages: 649 / 693 / 600). The same bits in every variant.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K = (32, 64, 64) if _INTERPRET else (128, 256, 64)  # the interpreter: its largest block
 NUM_WARPS, NUM_STAGES = 8, 3
 GROUP_M = 8  # output tiles walked in groups of rows (L2 reuse); the order of programs never changes a bit
@@ -112,7 +110,6 @@ def _matmul_kernel(
     STATS: tl.constexpr,  # C's tile statistics and selected values instead of C (`canonical.row_stats`' bits)
     W: tl.constexpr, LOG2W: tl.constexpr, SCALE: tl.constexpr, ENTROPY: tl.constexpr,  # STATS: as `_tiles`'s
     TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
-    INTERPRETED: tl.constexpr,  # under the interpreter: products in fp32, added in K order
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -136,7 +133,7 @@ def _matmul_kernel(
             k0 = k * BLOCK_K
             a = _load(a_ptr, m0, k0, M - m0, K - k0, stride_am, stride_ak, TMA, A_T, BLOCK_M, BLOCK_K)
             b = _load(b_ptr, k0, n0, K - k0, N - n0, stride_bk, stride_bn, TMA, B_T, BLOCK_K, BLOCK_N)
-            if INTERPRETED:
+            if _INTERPRETED:  # products in fp32, added in K order
                 acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
             elif IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -176,7 +173,7 @@ def _launch(device: torch.device, M: int, N: int, *args, **meta) -> None:
     """`_matmul_kernel` over an `[M, N]` output, one program per SM at most, with the one configuration."""
     programs = _programs(device)
     _matmul_kernel[(min(programs, cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)),)](
-        *args, INTERPRETED=_INTERPRET, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, PROGRAMS=programs,
+        *args, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, PROGRAMS=programs,
         NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **meta)
 
 
