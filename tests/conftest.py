@@ -35,9 +35,12 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
         import triton.language as _tl
 
         _patch_lang = _interpreter._patch_lang
+        _langs: dict = {}  # a helper's language modules (its globals': the same ones at every call)
 
         def _patch_lang_unless_patched(fn):
-            langs = [v for v in fn.__globals__.values() if v is _tl or v is _tl.core]
+            langs = _langs.get(fn)
+            if langs is None:
+                langs = _langs[fn] = [v for v in fn.__globals__.values() if v is _tl or v is _tl.core]
             if langs and not any(_tl.core.is_builtin(lang.load) for lang in langs):
                 return _interpreter._LangPatchScope()
             return _patch_lang(fn)

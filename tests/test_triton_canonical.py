@@ -68,9 +68,16 @@ def _fma_kernel(A, B, C, OUT, n, BLOCK: tl.constexpr):
              mask=i < n)
 
 
-def test_fma_gives_the_torch_bits():
-    """The kernels' fma (the GPU's instruction; under the interpreter, the emulation) is `canonical.fma`, on
-    cases where rounding the product and the sum apart, in fp32 or in float64, gives other bits."""
+@pytest.mark.parametrize("form", ["default", "emulated"] if kernels._INTERPRET else ["gpu"])
+def test_fma_gives_the_torch_bits(form, monkeypatch):
+    """The kernels' fma (the GPU's instruction; under the interpreter, the interpreter's own fma where that rounds
+    once, and the emulation, which Tritons whose fma rounds twice run) is `canonical.fma`, on cases where rounding
+    the product and the sum apart, in fp32 or in float64, gives other bits, and on subnormal results; an overflow
+    or an infinite operand gives IEEE's inf (not the emulation's infinite operands: its callers clamp them), a NaN,
+    inf * 0 and inf - inf a positive NaN, as the GPU does (x86 makes a negative one of inf * 0)."""
+    if form == "emulated":
+        monkeypatch.setattr(kernels, "_NATIVE_FMA", tl.constexpr(False))
+    emulation = kernels._INTERPRET and not kernels._NATIVE_FMA
     g = torch.Generator().manual_seed(1)
     n = 1 << 16
     a = 1 + torch.randint(0, 2 ** 23, (n,), generator=g).double() / 2 ** 23
@@ -81,12 +88,24 @@ def test_fma_gives_the_torch_bits():
     c[n:2 * n] = -(x * x) * (1 + 2 ** -20)
     b[n:2 * n] = x
     b[-1], c[-1] = -(1 - 2 ** -23) * 2 ** -24, 1 + 2 ** -23
+    tiny = torch.randint(1, 2 ** 12, (3, 1024), generator=g).float() * torch.tensor([[2.0 ** -75], [2.0 ** -75],
+                                                                                         [-(2.0 ** -149)]])
+    a, b, c = (torch.cat([t, u]) for t, u in zip((a, b, c), tiny))  # products and sums below 2**-126
     want = canonical.fma(a, b, c)
     assert not torch.equal(want.view(torch.int32), (a.double() * b.double() + c.double()).float().view(torch.int32))
     assert not torch.equal(want.view(torch.int32), (a * b + c).view(torch.int32))
+    assert (want[-1024:].abs() < 2 ** -126).sum() > 100
+    inf, nan = float("inf"), float("nan")
+    nans = [[nan, 1.0, 1.0], [1.0, 1.0, nan], [inf, 0.0, 1.0], [inf, 1.0, -inf]]
+    infs = [[3e38, -3e38, 1.0]] + ([] if emulation else [[-inf, 2.0, 1.0], [inf, -1.0, 5.0]])
+    a, b, c = (torch.cat([t, u]) for t, u in zip((a, b, c), torch.tensor(nans + infs).T))
     out = torch.empty(a.numel(), device=DEV)
     _fma_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(DEV), b.to(DEV), c.to(DEV), out, a.numel(), BLOCK=1024)
-    assert_bitwise_equal(out.cpu(), want, "fma")
+    out, n = out.cpu(), want.numel()
+    assert_bitwise_equal(out[:n], want, "fma")
+    got = out[n:n + len(nans)].view(torch.int32)
+    assert (got >= 0x7FC00000).all(), f"NaNs that are not positive quiet NaNs: {got}"
+    assert_bitwise_equal(out[n + len(nans):], torch.full((len(infs),), -inf), "fma to -inf")
 
 
 def contract(V: int, B: int, T: int, layout: Layout = Layout(1, 1), tp_rank: int = 0, dp_rank: int = 0, **over):

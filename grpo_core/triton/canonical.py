@@ -76,7 +76,7 @@ _SQRT_HALF_BITS = tl.constexpr(C.SQRT_HALF_BITS)
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # The interpreter truncates fp32 -> bf16 (the GPU and torch round to nearest even): round with integer ops there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_INTERPRETED = tl.constexpr(_INTERPRET)  # the interpreter's branches: `_fma`, `exp_nonpos_loop`, `_tiles`, `_stats`
+_INTERPRETED = tl.constexpr(_INTERPRET)  # branches: `_fma`, `exp_nonpos_loop`, `_tiles`; matmul's `_stats`, kernel
 
 
 @triton.jit
@@ -101,19 +101,43 @@ def _row_max(x):
 
 
 @triton.jit
+def _fma_probe(x_ptr):
+    tl.store(x_ptr, tl.fma(tl.load(x_ptr), tl.load(x_ptr + 1), tl.load(x_ptr + 2)))
+
+
+def _interpreter_fma_rounds_once() -> bool:
+    """Whether the interpreter's `tl.fma` rounds once (Triton 3.9's does, in C; 3.6's rounds the product and then
+    the sum): (1 + 2**-12)**2 + 2**-40 = 1 + 2**-11 + 2**-24 + 2**-40 rounds up to 1 + 2**-11 + 2**-23 once, down
+    to 1 + 2**-11 twice (the product's 2**-24 is a tie, to even)."""
+    x = torch.tensor([1 + 2**-12, 1 + 2**-12, 2**-40])
+    _fma_probe[(1,)](x)
+    return x[0].item() == 1 + 2**-11 + 2**-23
+
+
+# The interpreter's `_fma`: its own fma where that rounds once (a third of the time of an interpreted test went to
+# the emulation's fifteen block operations a call), the emulation elsewhere.
+_NATIVE_FMA = tl.constexpr(_INTERPRET and _interpreter_fma_rounds_once())
+
+
+@triton.jit
 def _fma(a, b, c):
-    """`canonical.fma`: `a * b + c` rounded once. The interpreter computes it the way `canonical.fma` does (some
-    Triton versions' interpreters round the product and the sum apart), and gives a positive NaN, as the GPU does
-    (`exp_nonpos` keeps a NaN only if it is positive). This branch is not compiled for the GPU."""
+    """`canonical.fma`: `a * b + c` rounded once. The interpreter gives a positive NaN, as the GPU does (`exp_nonpos`
+    keeps a NaN only if it is positive; x86 makes a negative one of inf * 0), with its own fma where that rounds
+    once (`_NATIVE_FMA`), else computed the way `canonical.fma` does (finite or NaN operands: its callers clamp
+    theirs). These branches are not compiled for the GPU."""
     if _INTERPRETED:
-        p = a.to(tl.float64) * b
-        c = c + tl.full(p.shape, -0.0, tl.float64)  # a float64 block; x + -0.0 is x, -0.0 included
-        s = p + c
-        t = s - p
-        err = (p - (s - t)) + (c - t)  # p + c == s + err exactly
-        bits = s.to(tl.int64, bitcast=True)
-        bits = tl.where((err != 0) & ((bits & 1) == 0), bits + tl.where((err > 0) == (s > 0), 1, -1), bits)
-        return tl.where(s == s, bits.to(tl.float64, bitcast=True).to(tl.float32), float("nan"))  # the GPU's NaN
+        if _NATIVE_FMA:
+            r = tl.fma(a, b, c)
+            return tl.where(r == r, r, float("nan"))
+        else:
+            p = a.to(tl.float64) * b
+            c = c + tl.full(p.shape, -0.0, tl.float64)  # a float64 block; x + -0.0 is x, -0.0 included
+            s = p + c
+            t = s - p
+            err = (p - (s - t)) + (c - t)  # p + c == s + err exactly
+            bits = s.to(tl.int64, bitcast=True)
+            bits = tl.where((err != 0) & ((bits & 1) == 0), bits + tl.where((err > 0) == (s > 0), 1, -1), bits)
+            return tl.where(s == s, bits.to(tl.float64, bitcast=True).to(tl.float32), float("nan"))
     else:
         return tl.fma(a, b, c)
 
