@@ -109,7 +109,7 @@ def _interpreter_fma_rounds_once() -> bool:
     """Whether the interpreter's `tl.fma` rounds once (Triton 3.9's does, in C; 3.6's rounds the product and then
     the sum): (1 + 2**-12)**2 + 2**-40 = 1 + 2**-11 + 2**-24 + 2**-40 rounds up to 1 + 2**-11 + 2**-23 once, down
     to 1 + 2**-11 twice (the product's 2**-24 is a tie, to even)."""
-    x = torch.tensor([1 + 2**-12, 1 + 2**-12, 2**-40])
+    x = torch.tensor([1 + 2**-12, 1 + 2**-12, 2**-40], dtype=torch.float32, device="cpu")
     _fma_probe[(1,)](x)
     return x[0].item() == 1 + 2**-11 + 2**-23
 
