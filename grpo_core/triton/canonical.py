@@ -107,11 +107,11 @@ def _fma_probe(x_ptr):
 
 def _interpreter_fma_rounds_once() -> bool:
     """Whether the interpreter's `tl.fma` rounds once (Triton 3.9's does, in C; 3.6's rounds the product and then
-    the sum): (1 + 2**-12)**2 + 2**-40 = 1 + 2**-11 + 2**-24 + 2**-40 rounds up to 1 + 2**-11 + 2**-23 once, down
-    to 1 + 2**-11 twice (the product's 2**-24 is a tie, to even)."""
-    x = torch.tensor([1 + 2**-12, 1 + 2**-12, 2**-40], dtype=torch.float32, device="cpu")
+    the sum): (1 + 2**-23) * -(1 - 2**-23) * 2**-24 + (1 + 2**-23) = 1 + 2**-24 + 2**-70 rounds up to 1 + 2**-23
+    once; the product rounded to fp32 first, or the sum to float64 first, leaves the tie 1 + 2**-24: 1 (even)."""
+    x = torch.tensor([1 + 2**-23, -(1 - 2**-23) * 2**-24, 1 + 2**-23], dtype=torch.float32, device="cpu")
     _fma_probe[(1,)](x)
-    return x[0].item() == 1 + 2**-11 + 2**-23
+    return x[0].item() == 1 + 2**-23
 
 
 # The interpreter's `_fma`: its own fma where that rounds once (a third of the time of an interpreted test went to
