@@ -35,7 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
         import triton.language as _tl
 
         _patch_lang = _interpreter._patch_lang
-        _langs: dict = {}  # a helper's language modules (its globals': the same ones at every call)
+        _langs: dict = {}  # a helper's language modules in its globals (each kernel module of ours imports `tl`)
 
         def _patch_lang_unless_patched(fn):
             langs = _langs.get(fn)

@@ -62,22 +62,15 @@ def test_primitives_give_the_torch_bits():
 
 
 @triton.jit
-def _fma_kernel(A, B, C, OUT, n, BLOCK: tl.constexpr):
+def _fma_kernel(A, B, C, OUT, n, BLOCK: tl.constexpr, TL_FMA: tl.constexpr = False):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(OUT + i, kernels._fma(tl.load(A + i, mask=i < n), tl.load(B + i, mask=i < n), tl.load(C + i, mask=i < n)),
-             mask=i < n)
+    a, b, c = tl.load(A + i, mask=i < n), tl.load(B + i, mask=i < n), tl.load(C + i, mask=i < n)
+    tl.store(OUT + i, tl.fma(a, b, c) if TL_FMA else kernels._fma(a, b, c), mask=i < n)
 
 
-@pytest.mark.parametrize("form", ["default", "emulated"] if kernels._INTERPRET else ["gpu"])
-def test_fma_gives_the_torch_bits(form, monkeypatch):
-    """The kernels' fma (the GPU's instruction; under the interpreter, the interpreter's own fma where that rounds
-    once, and the emulation, which Tritons whose fma rounds twice run) is `canonical.fma`, on cases where rounding
-    the product and the sum apart, in fp32 or in float64, gives other bits, and on subnormal results; an overflow
-    or an infinite operand gives IEEE's inf (not the emulation's infinite operands: its callers clamp them), a NaN,
-    inf * 0 and inf - inf a positive NaN, as the GPU does (x86 makes a negative one of inf * 0)."""
-    if form == "emulated":
-        monkeypatch.setattr(kernels, "_NATIVE_FMA", tl.constexpr(False))
-    emulation = kernels._INTERPRET and not kernels._NATIVE_FMA
+def fma_cases() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 `a, b, c` whose `a * b + c` rounded once differs from the product rounded to fp32 first, or the sum to
+    float64 first, and with subnormal results."""
     g = torch.Generator().manual_seed(1)
     n = 1 << 16
     a = 1 + torch.randint(0, 2 ** 23, (n,), generator=g).double() / 2 ** 23
@@ -90,7 +83,20 @@ def test_fma_gives_the_torch_bits(form, monkeypatch):
     b[-1], c[-1] = -(1 - 2 ** -23) * 2 ** -24, 1 + 2 ** -23
     tiny = torch.randint(1, 2 ** 12, (3, 1024), generator=g).float() * torch.tensor([[2.0 ** -75], [2.0 ** -75],
                                                                                          [-(2.0 ** -149)]])
-    a, b, c = (torch.cat([t, u]) for t, u in zip((a, b, c), tiny))  # products and sums below 2**-126
+    return tuple(torch.cat([t, u]) for t, u in zip((a, b, c), tiny))  # products and sums below 2**-126
+
+
+@pytest.mark.parametrize("form", ["default", "emulated"] if kernels._INTERPRET else ["gpu"])
+def test_fma_gives_the_torch_bits(form, monkeypatch):
+    """The kernels' fma (the GPU's instruction; under the interpreter, the interpreter's own fma where that rounds
+    once, and the emulation, which Tritons whose fma rounds twice run) is `canonical.fma`, on cases where rounding
+    the product and the sum apart, in fp32 or in float64, gives other bits, and on subnormal results; an overflow
+    or an infinite operand gives IEEE's inf (not the emulation's infinite operands: its callers clamp them), a NaN,
+    inf * 0 and inf - inf a positive NaN, as the GPU does (x86 makes a negative one of inf * 0)."""
+    if form == "emulated":
+        monkeypatch.setattr(kernels, "_NATIVE_FMA", tl.constexpr(False))
+    emulation = kernels._INTERPRET and not kernels._NATIVE_FMA
+    a, b, c = fma_cases()
     want = canonical.fma(a, b, c)
     assert not torch.equal(want.view(torch.int32), (a.double() * b.double() + c.double()).float().view(torch.int32))
     assert not torch.equal(want.view(torch.int32), (a * b + c).view(torch.int32))
@@ -106,6 +112,16 @@ def test_fma_gives_the_torch_bits(form, monkeypatch):
     got = out[n:n + len(nans)].view(torch.int32)
     assert (got >= 0x7FC00000).all(), f"NaNs that are not positive quiet NaNs: {got}"
     assert_bitwise_equal(out[n + len(nans):], torch.full((len(infs),), -inf), "fma to -inf")
+
+
+@pytest.mark.skipif(not kernels._INTERPRET, reason="the interpreter's choice")
+def test_the_interpreters_own_fma_is_taken_exactly_where_it_rounds_once():
+    """`_NATIVE_FMA` (the probe's one case at import) says whether the interpreter's `tl.fma` gives `canonical.fma`'s
+    bits on every case of `fma_cases`."""
+    a, b, c = fma_cases()
+    out = torch.empty(a.numel())
+    _fma_kernel[(triton.cdiv(a.numel(), 1024),)](a, b, c, out, a.numel(), BLOCK=1024, TL_FMA=True)
+    assert bool(kernels._NATIVE_FMA) == torch.equal(out.view(torch.int32), canonical.fma(a, b, c).view(torch.int32))
 
 
 def contract(V: int, B: int, T: int, layout: Layout = Layout(1, 1), tp_rank: int = 0, dp_rank: int = 0, **over):

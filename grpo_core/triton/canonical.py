@@ -185,7 +185,7 @@ def exp_nonpos_loop(x):
     against `canonical.EXP_NONZERO` (where `exp` stops being 0: `canonical.exp`'s threshold, checked over every fp32
     in [-104, -80]), two instructions fewer per element."""
     if _INTERPRETED:
-        x = _max(x, _EXP_MIN)  # the interpreter's float64 `_fma` would warn on inf - inf; the result is not taken
+        x = _max(x, _EXP_MIN)  # `_fma`'s emulation would warn on inf - inf; the result is not taken
     p, t = _poly(x)
     bits = p.to(tl.int32, bitcast=True) + (t << 23)
     return tl.where(x >= _EXP_NONZERO, bits.to(tl.float32, bitcast=True), 0.0)
