@@ -750,12 +750,17 @@ def linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, action_ids: tor
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torch.Tensor,
                     completion_mask: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                     temperature: float = 1.0, vocab_tile: int = DEFAULT_VOCAB_TILE,
-                    contract: LogprobContract | None = None, tp_group: Any = None, kernels: str = "auto"
-                    ) -> torch.Tensor:
+                    contract: LogprobContract | None = None, tp_group: Any = None, kernels: str = "auto",
+                    check_values: str = "deferred") -> torch.Tensor:
     """Per-token log-probs fp32 `[B, T]` (0.0 at masked tokens) from `hidden` `[B, T, H]` and `weight` `[V, H]`
     (with `contract`, a `LogprobContract` over `B * T` tokens: this TP rank's `[local vocab, H]` rows): the very
     bits the loss computes for these tokens with the same kernels, so an old-policy or reference pass made with it
-    feeds the loss without drift. No gradient."""
+    feeds the loss without drift. No gradient. The values (ids in the vocabulary and mask values 0 / 1 at active
+    tokens, finite log-probs there) are one flag computed after the pass: `check_values` "deferred" hands it to
+    `pending` (on CUDA no device sync: the error at a later call of an op that defers its checks, or at
+    `grpo_core.raise_pending()`), "sync" reads it in the call. Either way the call reads one value on the host before
+    the pass, its number of active tokens."""
+    pending.check_mode(check_values)
     B, T, completion_mask = _plain_call(hidden, weight, completion_mask)
     H = hidden.shape[2]
     if contract is None:
@@ -763,19 +768,37 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, action_ids: torc
     elif not isinstance(contract, LogprobContract) or contract.num_tokens != B * T:
         raise LossContractError(f"contract: expected a LogprobContract with num_tokens = B * T = {B * T}, got "
                                 f"{contract!r}")
+    # Over TP every peer holds the same flag and reads its peers' queue alone: every peer raises at the same call
+    key = ("linear_logprobs", tp_group) if len(contract.vocab_shard_bounds) > 1 else None
+    pending.poll(key)
     lo, hi = contract.local_bounds
     _check_linear(hidden, weight, bias, None, None, None, None, None, B, T, hi - lo, 0.0)
     logits = stand_in((B, T, hi - lo), hidden.dtype, hidden.device)
-    mask = check_inputs(logits, None, action_ids, torch.zeros((B, T), device=hidden.device),
-                        torch.zeros(B, device=hidden.device), completion_mask, beta=0.0,
-                        vocab_size=contract.vocab_size)
+    no_old = torch.zeros((), device=hidden.device).expand(B, T)  # what `check_inputs` takes for old_logps
+
+    def checked_mask(values: bool) -> torch.Tensor:
+        return check_inputs(logits, None, action_ids, no_old, None, completion_mask, beta=0.0,
+                            vocab_size=contract.vocab_size, values=values)
+
+    mask = checked_mask(False)  # types, shapes, dtypes and devices; the values below, with the log-probs
     inv = inverse_temperature(check_temperature(temperature))
-    rows = mask.reshape(-1).nonzero().squeeze(1)
+    rows = mask.reshape(-1).nonzero().squeeze(1)  # the host read
     ids = action_ids.reshape(-1)[rows].long()
-    with torch.no_grad():
+    with torch.no_grad():  # an id outside the vocabulary selects no column, as another TP rank's id does
         k = _kernels(kernels, hidden.device, contract.tile_width)
         logp, *_ = _run_chunks(k, hidden.detach().reshape(-1, H), weight.detach(),
                                None if bias is None else bias.detach(), ids, rows, contract, tp_group, inv)
     out = torch.zeros(B * T, dtype=torch.float32, device=hidden.device).index_put((rows,), logp).view(B, T)
-    check_logprobs(out, None, mask, _names(bias, None))
+    bad = ((ids < 0) | (ids >= contract.vocab_size)).any() | ~torch.isfinite(logp).all()
+    if completion_mask.dtype != torch.bool:
+        bad |= ((completion_mask != 0) & (completion_mask != 1)).any()
+
+    def recheck() -> None:  # the checks that say what and where
+        checked_mask(True)
+        check_logprobs(out, None, mask, _names(bias, None))
+
+    if check_values == "sync":
+        pending.raise_now(bad, recheck)
+    else:
+        pending.defer(bad, recheck, "linear_logprobs", group=key)
     return out

@@ -734,23 +734,93 @@ def test_the_triton_kernels_read_one_value_on_the_host(over):
     assert defer.call_count == 1 and defer.call_args.args[2] == "linear_grpo_loss (triton kernels)"
 
 
+LOGPROBS_DEFERRED = r"linear_logprobs \(call #\d+, checked after it returned\): "
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_linear_logprobs_raise_the_losss_words(kernels):
-    """Non-finite log-probs at active tokens raise as in the loss; masked tokens may hold anything."""
+@pytest.mark.parametrize("check", ["sync", "deferred"])
+def test_linear_logprobs_raise_the_losss_words(kernels, check):
+    """Non-finite log-probs at active tokens raise as in the loss; masked tokens may hold anything. Deferred, the
+    error says so (on the CPU the flag is read at once: the call itself raises)."""
+    prefix = LOGPROBS_DEFERRED if check == "deferred" else ""
     inp = make()
     hidden, ids, mask = inp["hidden"].clone(), inp["action_ids"], inp["completion_mask"]
     hidden[1, 0, 3] = float("nan")
-    with pytest.raises(LossContractError, match=r"^hidden / weight: expected finite log-probabilities at active "
-                                                r"tokens, got NaN at \(b, t\) \[\(1, 0\)\]"):
-        linear_logprobs(hidden, inp["weight"], ids, mask, kernels=kernels)
+    with pytest.raises(LossContractError, match=rf"^{prefix}hidden / weight: expected finite log-probabilities at "
+                                                r"active tokens, got NaN at \(b, t\) \[\(1, 0\)\]"):
+        linear_logprobs(hidden, inp["weight"], ids, mask, kernels=kernels, check_values=check)
+        linear.pending.raise_pending()
     masked = mask.clone()
     masked[1, 0] = False
-    assert torch.isfinite(linear_logprobs(hidden, inp["weight"], ids, masked, kernels=kernels)).all()
+    assert torch.isfinite(linear_logprobs(hidden, inp["weight"], ids, masked, kernels=kernels,
+                                          check_values=check)).all()
+    linear.pending.raise_pending()
     bias = torch.zeros(inp["weight"].shape[0], device=inp["weight"].device)
     bias[ids[0, 0]] = -float("inf")
-    with pytest.raises(LossContractError, match=r"^hidden / weight / bias: expected finite log-probabilities at active "
-                                                r"tokens, got -inf at \(b, t\) \[\(0, 0\)"):
-        linear_logprobs(inp["hidden"], inp["weight"], ids, mask, bias=bias, kernels=kernels)
+    with pytest.raises(LossContractError, match=rf"^{prefix}hidden / weight / bias: expected finite log-probabilities "
+                                                r"at active tokens, got -inf at \(b, t\) \[\(0, 0\)"):
+        linear_logprobs(inp["hidden"], inp["weight"], ids, mask, bias=bias, kernels=kernels, check_values=check)
+        linear.pending.raise_pending()
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("check", ["sync", "deferred"])
+@pytest.mark.parametrize("bad, words", [
+    ("id", r"action_ids: expected ids in \[0, 160\) at active tokens, got \[160\]"),
+    ("negative id", r"action_ids: expected ids in \[0, 160\) at active tokens, got \[-1\]"),
+    ("mask", r"completion_mask: expected bool or 0/1 values, got other values \(dtype torch.float32\)")],
+    ids=["id", "negative id", "mask"])
+def test_linear_logprobs_check_ids_and_mask_values(kernels, check, bad, words):
+    """An id outside the vocabulary or a mask value other than 0 / 1 at an active token raises `check_inputs`'
+    words, read with the log-probs; masked tokens may hold any id."""
+    prefix = LOGPROBS_DEFERRED if check == "deferred" else ""
+    inp = make()
+    ids, mask = inp["action_ids"].clone(), inp["completion_mask"].float()
+    ids[0, 1] = -7  # masked: anything goes
+    mask[0, 1] = 0.0
+    call = lambda: linear_logprobs(inp["hidden"], inp["weight"], ids, mask, kernels=kernels, check_values=check)
+    clean = call()
+    linear.pending.raise_pending()
+    if bad == "mask":
+        mask[2, 0] = 2.0
+    else:
+        ids[2, 0] = 160 if bad == "id" else -1
+    with pytest.raises(LossContractError, match=f"^{prefix}{words}$"):
+        call()
+        linear.pending.raise_pending()
+    assert torch.isfinite(clean).all()
+
+
+@pytest.mark.parametrize("check", ["sync", "deferred"])
+def test_linear_logprobs_read_the_active_tokens_alone_on_the_host(check):
+    """The Triton kernels' `linear_logprobs` reads the active tokens (`nonzero`) on the host, and `"sync"` its one
+    flag too (the ids, the mask values and the log-probs' finiteness together); `"deferred"` hands the flag to
+    `pending` unread."""
+    inp = make()
+    with mock.patch.object(linear.pending, "defer") as defer, _HostReads() as log:
+        linear_logprobs(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"].float(),
+                        kernels="triton", check_values=check)
+    assert log.reads == ["aten::nonzero"] + (["aten::_local_scalar_dense"] if check == "sync" else [])
+    assert defer.call_count == (check == "deferred")
+    if check == "deferred":
+        assert defer.call_args.args[2] == "linear_logprobs" and defer.call_args.kwargs == {"group": None}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: on the CPU the check is immediate")
+def test_linear_logprobs_deferred_check_raises_at_a_later_call():
+    """On the GPU a `linear_logprobs` call with a bad id returns (no device sync); the error names it at the latest
+    `pending.AHEAD` calls later, and the next good call runs."""
+    inp = make()
+    ids = inp["action_ids"].clone()
+    ids[1, 0] = 160
+    linear_logprobs(inp["hidden"], inp["weight"], ids, inp["completion_mask"], kernels="triton")
+    with pytest.raises(LossContractError, match=LOGPROBS_DEFERRED + r"action_ids: expected ids in \[0, 160\) at "
+                                                                    r"active tokens, got \[160\]$"):
+        for _ in range(linear.pending.AHEAD):
+            linear_logprobs(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"], kernels="triton")
+    linear_logprobs(inp["hidden"], inp["weight"], inp["action_ids"], inp["completion_mask"], kernels="triton")
+    linear.pending.raise_pending()
 
 
 @pytest.mark.parametrize("num_items, shown", [(-5, "-5.0"), (float("nan"), "nan"), (torch.tensor(float("inf")), "inf")])

@@ -364,7 +364,8 @@ def _grpo_core_trainer() -> type:
                 ids, att = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
                 hidden, weight, bias = self._hidden_and_head(unwrapped, ids, att, logits_to_keep)
                 out.append(linear_logprobs(hidden, weight, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
-                                           bias=bias, temperature=self.temperature))
+                                           bias=bias, temperature=self.temperature,
+                                           check_values=self.grpo_core_loss.check_values))
             return torch.cat(out), None, None
 
         def _grpo_core_loss(self, unwrapped, inputs, num_items, entropy_coef):
