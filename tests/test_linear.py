@@ -741,7 +741,8 @@ LOGPROBS_DEFERRED = r"linear_logprobs \(call #\d+, checked after it returned\): 
 @pytest.mark.parametrize("check", ["sync", "deferred"])
 def test_linear_logprobs_raise_the_losss_words(kernels, check):
     """Non-finite log-probs at active tokens raise as in the loss; masked tokens may hold anything. Deferred, the
-    error says so (on the CPU the flag is read at once: the call itself raises)."""
+    error says so (on the CPU the flag is read at once: the call itself raises). A bad `check_values` is named as the
+    loss names it."""
     prefix = LOGPROBS_DEFERRED if check == "deferred" else ""
     inp = make()
     hidden, ids, mask = inp["hidden"].clone(), inp["action_ids"], inp["completion_mask"]
@@ -761,6 +762,8 @@ def test_linear_logprobs_raise_the_losss_words(kernels, check):
                                                 r"at active tokens, got -inf at \(b, t\) \[\(0, 0\)"):
         linear_logprobs(inp["hidden"], inp["weight"], ids, mask, bias=bias, kernels=kernels, check_values=check)
         linear.pending.raise_pending()
+    with pytest.raises(LossContractError, match=r"^check_values: expected 'deferred' or 'sync', got 'later'$"):
+        linear_logprobs(inp["hidden"], inp["weight"], ids, mask, kernels=kernels, check_values="later")
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
