@@ -119,6 +119,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--deterministic", choices=("off", "warn", "on"), default="off",
                    help="torch.use_deterministic_algorithms (warn: warn_only=True), with CUBLAS_WORKSPACE_CONFIG")
     p.add_argument("--record-dir", help="the `ours_rec` trainer's record_dir (a folder per model under it)")
+    p.add_argument("--reproducible", action="store_true", help="GRPOCoreTrainer(reproducible=True) for ours and "
+                                                               "ours_rec (TRL's trainer: unchanged)")
+    p.add_argument("--record-layers", action="store_true", help="ours_rec with record_layers=True")
+    p.add_argument("--record-sampler", action="store_true", help="ours_rec with record_sampler=True")
+    p.add_argument("--replay-from", help="ours and ours_rec replay this recorded run (a folder per model under it)")
     p.add_argument("--out", help=f"Parquet table the rows append to (default {DEFAULTS['out']}; --tiny: "
                                  f"{TINY['out']})")
     args = p.parse_args()
@@ -134,6 +139,12 @@ def parse_args() -> argparse.Namespace:
     if ("ours_rec" in args.trainers) != (args.record_dir is not None):
         p.error(f"--record-dir: expected with --trainers including ours_rec and only then, got "
                 f"{args.record_dir!r} with --trainers {','.join(args.trainers)}")
+    if (args.record_layers or args.record_sampler) and "ours_rec" not in args.trainers:
+        p.error("--record-layers / --record-sampler: expected --trainers including ours_rec, got "
+                f"{','.join(args.trainers)}")
+    if args.replay_from is not None and "trl" in args.trainers:
+        p.error(f"--replay-from: expected --trainers without trl (TRL's trainer does not replay), got "
+                f"{','.join(args.trainers)}")
     for name in ("steps", "completion_length", "prompt_length", "prompts", "num_generations", "per_device",
                  "grad_accum", "num_iterations"):
         if getattr(args, name) < 1:
@@ -325,7 +336,14 @@ def run(kind: str, model: str, path: Path, args, cuda: bool) -> tuple[list[dict]
     from grpo_core.integrations.trl import GRPOCoreTrainer
 
     base = trl.GRPOTrainer if kind == "trl" else GRPOCoreTrainer
-    extra = {"record_dir": str(Path(args.record_dir) / model)} if kind == "ours_rec" else {}
+    extra = {}
+    if kind == "ours_rec":
+        extra = {"record_dir": str(Path(args.record_dir) / model), "record_layers": args.record_layers,
+                 "record_sampler": args.record_sampler}
+    if kind != "trl":
+        extra["reproducible"] = args.reproducible
+        if args.replay_from is not None:
+            extra["replay_from"] = str(Path(args.replay_from) / model)
     rng = random.Random(args.seed)
     generations = -(-args.steps * args.grad_accum // (args.steps_per_generation * args.num_iterations))
     prompts = ["".join(rng.choices(string.ascii_lowercase, k=args.prompt_length))
@@ -399,6 +417,18 @@ def summarize(rows: list[dict], digests: dict, trainers: list[str]) -> None:
                                    "max_abs_value", "same_completions"]))
 
 
+def print_sampler(folder: Path) -> None:
+    """The sampler's log-probs against the trainer's, per step, of a run recorded with record_sampler."""
+    from grpo_core.rollouts import read_rollouts
+    from harness.training import sampler_mismatch, sampler_text
+
+    m = sampler_mismatch(read_rollouts(folder))
+    print(sampler_text("this run", m))
+    if m is not None:
+        for name in ("steps", "sequences", "tokens"):
+            print(m[name].to_string(index=False, float_format=lambda v: f"{v:.4g}"), flush=True)
+
+
 def versions() -> dict:
     out = {}
     for name in ("trl", "transformers", "accelerate", "datasets", "tokenizers", "huggingface_hub", "pyarrow",
@@ -436,7 +466,9 @@ def main() -> None:
                       grad_accum=args.grad_accum, steps_per_generation=args.steps_per_generation,
                       num_iterations=args.num_iterations, completion_length=args.completion_length,
                       prompt_length=args.prompt_length, beta=args.beta, seed=args.seed, dtype="bf16",
-                      gradient_checkpointing=not args.no_gradient_checkpointing, recorded="")
+                      gradient_checkpointing=not args.no_gradient_checkpointing, recorded="",
+                      reproducible=args.reproducible, record_layers=args.record_layers,
+                      record_sampler=args.record_sampler, replay_from=args.replay_from or "")
     print(f"each run: {args.steps} optimizer steps of {args.grad_accum} x {args.per_device} completions; a generation "
           f"of {args.prompts} x {args.num_generations} completions of {args.completion_length} tokens (prompts of "
           f"{args.prompt_length}) every {args.steps_per_generation * args.num_iterations // args.grad_accum} steps",
@@ -455,6 +487,8 @@ def main() -> None:
                 model_rows += [{**r, **run_config, "recorded": recorded, **settings, **prov} for r in out]
                 print(f"{model} {kind}: {len(out)} steps in {time.perf_counter() - start:.1f} s, generations "
                       f"{digests[(model, kind)]}", flush=True)
+                if kind == "ours_rec" and args.record_sampler:
+                    print_sampler(Path(recorded))
         path = append(model_rows, args.out)  # per model: a run cut short keeps what it measured
         print(f"appended {len(model_rows)} rows to {path}", flush=True)
         rows += model_rows

@@ -14,13 +14,15 @@ tensor, its words as fp64, a matmul with LANES columns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
 from .contract import LossContractError
 
-__all__ = ["LANES", "PRIME", "RowDigests", "mantissas", "row_digests"]
+__all__ = ["LANES", "PRIME", "RowDigests", "mantissas", "module_digests", "row_digests"]
 
 PRIME = (1 << 31) - 1
 LANES = 4
@@ -104,3 +106,29 @@ def mantissas(x: torch.Tensor) -> torch.Tensor:
     width = 8 * x.element_size()
     mask = _SIGN_AND_MANTISSA[x.dtype] - (1 << width)  # the sign bit is set: as a signed integer of that width
     return x.contiguous().view(torch.int32 if width == 32 else torch.int16) & mask
+
+
+@contextlib.contextmanager
+def module_digests(modules: dict[str, torch.nn.Module], mask: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+    """While the context is open, each module's output rows `[B, T, ...]` (a tuple's first tensor) are digested under
+    `mask` `[B, T]` in a forward hook, on the device, without a host sync: yields `{name: [B, LANES] int64}`, filled in
+    the order the modules run. The hooks go when the context closes (a recomputation in the backward, as gradient
+    checkpointing makes, is not digested again); a module that runs twice inside raises."""
+    digests: dict[str, torch.Tensor] = {}
+    rows = RowDigests(mask, mask.device)
+
+    def hook(name: str):
+        def digest(module, args, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if name in digests:
+                raise LossContractError(f"modules: expected {name} to run once while its digests are taken, got a "
+                                        f"second call")
+            digests[name] = rows(out)[0]
+        return digest
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
+    try:
+        yield digests
+    finally:
+        for h in handles:
+            h.remove()

@@ -7,11 +7,12 @@
     result.loss.backward()                                   # the gradient of `input` is digested in its hook
     rec.close()                                              # or: the next step's first record hands it off
 
-Each optimizer step of each rank becomes one Parquet file, `rank-<R>/step-<S>.parquet` (written whole, then renamed
-into place: a run can be read while it goes on). One row per (step, sequence, field): the value and its exact bit
-pattern, or a digest. A sequence is found by its key, a hash of its prompt's and completion's active token ids, not by
-where it sat, so two runs with other ranks, micro-batches or accumulation are compared sequence by sequence
-(`python -m harness diff`, `python -m reports drift`).
+Each optimizer step of each rank becomes one Parquet file, `rank-<R>/step-<S>.parquet`, written whole and then linked
+into place, never over a file (`write_exclusive`): a run can be read while it goes on. One recorder writes a rank's
+folder: from its first write to `close` it holds `rank-<R>/.lock`, and another one is refused before it writes
+anything. One row per (step, sequence, field): the value and its exact bit pattern, or a digest. A sequence is found
+by its key, a hash of its prompt's and completion's active token ids, not by where it sat, so two runs with other ranks,
+micro-batches or accumulation are compared sequence by sequence (`python -m harness diff`, `python -m reports drift`).
 
 Per sequence: the result's `per_sequence_policy`, `per_sequence_kl`, `advantages` (sequence-level ones),
 `per_sequence_active_tokens` and `per_sequence_entropy` (when computed), and four digests:
@@ -27,14 +28,27 @@ A digest is `grpo_core.digest.row_digests`: exact integer arithmetic on the bit 
 digest on every device; it is computed where the tensor lives (one read of it; a call's digests in one matmul). A
 step's numbers and token ids leave the device in one copy queued without a host synchronization when the next step
 begins (or the trainer's step ends), and a background thread writes the file.
+
+A stopped run keeps its steps: on SIGTERM (how a job scheduler ends a run) and at the interpreter's exit, every open
+recorder of the process waits for the step being written and writes the step being recorded, with the calls recorded so
+far; then SIGTERM ends the process as it would have (or its earlier Python handler runs). The handler is installed from
+the main thread and runs once that thread runs Python code again (not in the middle of a collective). A SIGKILL loses
+the step being written, whose partial file stays as `rank-<R>/step-<S>.parquet.<pid>.tmp`, and the step not handed off
+yet. A write that fails (a full disk) is one line naming the folder and the step: raised (`on_write_error="raise"`, the
+default) or warned of once, the recording going on (`"warn"`).
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import platform
+import signal
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -43,17 +57,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import _type_name, check_tensor
 from .contract import MATH_VERSION
-from .digest import RowDigests, mantissas
+from .digest import LANES, RowDigests, mantissas
+from .reproducible import determinism_settings
+from .rollouts import rollout_table
 from .result import GRPOLossResult
 
-__all__ = ["TrainingRecorder", "sequence_keys"]
+__all__ = ["TrainingRecorder", "key_of", "sequence_keys"]
 
 SEQUENCE_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages", "per_sequence_active_tokens",
                    "per_sequence_entropy")
 DIGEST_FIELDS = ("input_digest", "logps_digest", "grad_digest", "grad_mantissa_digest")
 SCALAR_FIELDS = ("loss", "policy_loss", "kl")
+LAYER_FIELD = r"layer/\d{3}/\S+"  # a module's output digest (`record(layers=)`): its place in the forward, its name
 KEY_FORMAT = "blake2b-64(int64le: prompt length, prompt ids, completion ids)"  # in every file: runs of one format match
+LOCK = ".lock"  # in a rank's folder: held by the recorder writing it, and the holder's pid
+NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}  # os.link's, where a file system has none
 
 
 def _hex(digests: torch.Tensor) -> list[str]:
@@ -73,9 +93,14 @@ def sequence_keys(completion_ids: torch.Tensor, completion_mask: torch.Tensor, p
         ids = ids.detach().cpu().numpy().astype("<i8")
         return list(ids) if mask is None else [row[k] for row, k in zip(ids, mask.detach().cpu().bool().numpy())]
 
-    return [hashlib.blake2b(np.int64(len(p)).astype("<i8").tobytes() + p.tobytes() + c.tobytes(),
-                            digest_size=8).hexdigest()
-            for p, c in zip(active(prompt_ids, prompt_mask), active(completion_ids, completion_mask))]
+    return [key_of(p, c) for p, c in zip(active(prompt_ids, prompt_mask), active(completion_ids, completion_mask))]
+
+
+def key_of(prompt: Any, completion: Any) -> str:
+    """The key of one sequence from its active prompt and completion ids (any integer sequences)."""
+    p, c = np.asarray(prompt, dtype="<i8"), np.asarray(completion, dtype="<i8")
+    return hashlib.blake2b(np.int64(len(p)).astype("<i8").tobytes() + p.tobytes() + c.tobytes(),
+                           digest_size=8).hexdigest()
 
 
 def _provenance(device: torch.device) -> dict[str, Any]:
@@ -88,8 +113,92 @@ def _provenance(device: torch.device) -> dict[str, Any]:
             "machine": platform.machine(), "math_version": MATH_VERSION,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
             "device_type": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "tf32": torch.backends.cuda.matmul.allow_tf32,
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+            **determinism_settings()}
+
+
+def write_exclusive(table: Any, path: Path) -> None:
+    """Writes the Parquet `table` to `path`, which must not exist (else FileExistsError, the file untouched): whole to
+    `<path>.<pid>.tmp` beside it, then hard-linked into place (an atomic create that never replaces) and the temporary
+    file removed, so a reader sees no file or the whole one. A write that fails removes its temporary file; a killed one
+    leaves it, its name saying which file and process. Where the file system has no hard links, the temporary file is
+    renamed into place if `path` does not exist (the rank's lock alone keeps other recorders out)."""
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in NO_HARD_LINKS:
+                raise
+            if path.exists():
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+            os.rename(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+_open: set[TrainingRecorder] = set()  # recorders holding a step to write: written on SIGTERM and at exit
+_previous_sigterm: Any = None  # the SIGTERM handler `_on_sigterm` replaced (while it is installed)
+
+
+def _register(recorder: TrainingRecorder) -> None:
+    """Counts `recorder` among the open ones, and installs `_on_sigterm` when it is not installed (from the main thread
+    only, over the default action or a Python handler: one installed in C, or SIG_IGN, is left alone)."""
+    global _previous_sigterm
+    _open.add(recorder)
+    if _previous_sigterm is None and threading.current_thread() is threading.main_thread():
+        current = signal.getsignal(signal.SIGTERM)
+        if current is signal.SIG_DFL or callable(current):
+            _previous_sigterm = current
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _unregister(recorder: TrainingRecorder) -> None:
+    """The reverse of `_register`: the last open recorder restores the handler `_on_sigterm` replaced (unless another
+    one replaced it since)."""
+    global _previous_sigterm
+    _open.discard(recorder)
+    if (not _open and _previous_sigterm is not None and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, _previous_sigterm)
+        _previous_sigterm = None
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Writes every open recorder's steps, then ends the process as SIGTERM would have: the earlier Python handler runs
+    (the recorders stay open: the process may go on), or the default action (they are closed first). A recorder in the
+    middle of a `flush` raises the signal again when it ends (the handler runs between two of the main thread's
+    bytecodes). A forked child's recorders are its parent's: it leaves them alone."""
+    mine = [r for r in list(_open) if r._pid == os.getpid()]
+    busy = [r for r in mine if r._flushing]
+    for r in busy:
+        r._sigterm = True
+    if busy:
+        return
+    previous = _previous_sigterm if _previous_sigterm is not None else signal.SIG_DFL
+    for r in mine:
+        r._finish(close=not callable(previous))
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
+@atexit.register
+def _at_exit() -> None:
+    """At the interpreter's exit (the background writes have ended: the executor joins its threads first), writes and
+    closes every open recorder of this process."""
+    for r in [r for r in list(_open) if r._pid == os.getpid()]:
+        r._finish(close=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -149,40 +258,67 @@ def _rebuild(x: Any, tensors: Any) -> Any:
 class TrainingRecorder:
     """Appends every loss call of a training run to `record_dir` (see the module docstring). `rank`: this process's
     data-parallel rank (with tensor parallelism, record on TP rank 0 alone: its peers hold the same numbers);
-    `metadata`: what describes the run (world size, accumulation, ...), stored with provenance in every file."""
+    `metadata`: what describes the run (world size, accumulation, ...), stored with provenance in every file;
+    `on_write_error`: what a step that cannot be written (a full disk) does, `"raise"` (training stops at the next
+    `record`, `flush` or `close`) or `"warn"` (once a step; recording goes on with the next one)."""
 
-    def __init__(self, record_dir: str | os.PathLike, *, rank: int = 0, metadata: dict[str, Any] | None = None):
+    def __init__(self, record_dir: str | os.PathLike, *, rank: int = 0, metadata: dict[str, Any] | None = None,
+                 on_write_error: str = "raise"):
+        import pyarrow.parquet  # noqa: F401  here, not first in the writer's thread (a SIGTERM may wait for it)
+
+        if not isinstance(record_dir, (str, os.PathLike)) or os.fspath(record_dir) == "":
+            raise ValueError(f"record_dir: expected a folder's path (the empty one would be the current folder), got "
+                             f"{record_dir!r}")
         _check_count("rank", rank)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ValueError(f"metadata: expected a dict or None, got {_type_name(metadata)} {metadata!r}")
+        if not isinstance(on_write_error, str) or on_write_error not in ("raise", "warn"):
+            raise ValueError(f"on_write_error: expected 'raise' or 'warn', got {on_write_error!r}")
         self.dir = Path(record_dir) / f"rank-{rank:05d}"
-        if self.dir.exists() and any(self.dir.glob("step-*.parquet")):
-            raise ValueError(f"record_dir: expected a new folder or one without rank {rank}'s steps (a recorded run is "
-                             f"never replaced), got {record_dir}, which holds {self.dir}")
+        self._files: set[str] = set()  # the names of the files this recorder wrote in `dir`
+        if self.dir.is_dir() and (found := self._foreign()) is not None:
+            raise ValueError(f"record_dir: expected a new folder or one without rank {rank}'s files (a recorded run is "
+                             f"never replaced), got {record_dir}, which holds {found}")
         try:
             json.dumps(metadata)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"metadata: expected values that JSON can write (it is stored in every file), got "
                              f"{metadata!r} ({exc})") from None
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.rank, self.metadata = rank, dict(metadata or {})
+        self.rank, self.metadata, self.on_write_error = rank, dict(metadata or {}), on_write_error
         self._step: int | None = None
         self._written: int | None = None  # the last step written: never written again
         self._calls: list[dict[str, Any]] = []
+        self._rollouts: list[tuple[int, Any]] = []  # (step, table) of the generations not written yet
         self._provenance: dict[str, Any] | None = None
         self._device = torch.device("cpu")  # where the recorded tensors live: the first call's input's device
         # one background thread writes the steps handed off (it ends with the recorder; a pending write ends first)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-core-recorder")
         self._writing: Future | None = None  # the write of the last step handed off
+        self._lock: int | None = None  # the descriptor of `dir / LOCK` while this recorder holds it
+        self._pid = os.getpid()  # a forked child's copy of the recorder is not its own
+        self._flushing = False  # in `flush`: a SIGTERM waits for its end
+        self._sigterm = False  # a SIGTERM came during `flush`: raised again at its end
 
     def record(self, result: GRPOLossResult, *, step: int, input: torch.Tensor, completion_ids: torch.Tensor,
                completion_mask: torch.Tensor, prompt_ids: torch.Tensor | None = None,
                prompt_mask: torch.Tensor | None = None, old_logps: torch.Tensor | None = None,
                ref_logps: torch.Tensor | None = None, importance_sampling_ratio: torch.Tensor | None = None,
-               micro_batch: int = 0, generation: int = 0, sequences: tuple[int, int] | None = None) -> None:
+               micro_batch: int = 0, generation: int = 0, sequences: tuple[int, int] | None = None,
+               layers: dict[str, torch.Tensor] | None = None) -> None:
         """Records one loss call. `input` `[B, T, ...]`: the tensor the loss was called with (hidden states or logits),
         its gradient digested in a hook when a backward runs; `completion_ids` / `completion_mask` `[B, T]`: the
         completion (the mask: the loss's active tokens); `prompt_ids` / `prompt_mask`: the prompt (part of the key).
         `sequences`: `(lo, hi)`, where this rank's B sequences sit in the result's vectors (default: the result covers
-        exactly these B sequences, as a call in one process does)."""
+        exactly these B sequences, as a call in one process does). `layers`: `{module name: [B, LANES] digests}` in the
+        order the modules ran (`grpo_core.digest.module_digests`), recorded as the fields `layer/<place>/<name>`."""
+        if not isinstance(result, GRPOLossResult):
+            raise ValueError(f"result: expected the GRPOLossResult the loss returned, got {_type_name(result)}")
+        for name, t in (("input", input), ("completion_ids", completion_ids), ("completion_mask", completion_mask)):
+            check_tensor(name, t)
+        for name, t in (("prompt_ids", prompt_ids), ("prompt_mask", prompt_mask), ("old_logps", old_logps),
+                        ("ref_logps", ref_logps), ("importance_sampling_ratio", importance_sampling_ratio)):
+            check_tensor(name, t, optional=True)
         for name, value in (("step", step), ("micro_batch", micro_batch), ("generation", generation)):
             _check_count(name, value)
         if self._step is not None and step < self._step:
@@ -216,6 +352,13 @@ class TrainingRecorder:
                 or hi - lo != B:
             raise ValueError(f"sequences: expected (lo, hi) with hi - lo = {B} sequences of completion_ids and "
                              f"0 <= lo <= hi <= {n} (the result's sequences), got {sequences!r}")
+        if layers is not None and (not isinstance(layers, dict) or not all(
+                isinstance(k, str) and k and not any(ch.isspace() for ch in k) and isinstance(v, torch.Tensor)
+                and v.dtype == torch.int64 and list(v.shape) == [B, LANES] for k, v in layers.items())):
+            raise ValueError(f"layers: expected a dict of module names (no spaces) to [B, {LANES}] = {[B, LANES]} int64 "
+                             f"digests (grpo_core.digest.module_digests), got " + (
+                                 ", ".join(f"{k!r}: {list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+                                           for k, v in layers.items()) if isinstance(layers, dict) else repr(layers)))
         if step != self._step:
             self.flush(wait=False)
             self._step = step
@@ -231,7 +374,8 @@ class TrainingRecorder:
             "scalars": torch.stack([result.loss.detach(), result.policy_loss, result.kl]).float(),
             "vectors": {f: getattr(result, f)[lo:hi].detach() for f in SEQUENCE_FIELDS
                         if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
-            "input_digest": digests[0], "logps_digest": digests[1]}
+            "input_digest": digests[0], "logps_digest": digests[1],
+            "layers": [(f"layer/{i:03d}/{name}", d) for i, (name, d) in enumerate((layers or {}).items())]}
         if self._provenance is None:
             self._device, self._provenance = input.device, _provenance(input.device)
         if input.requires_grad and torch.is_grad_enabled():
@@ -241,36 +385,122 @@ class TrainingRecorder:
 
             handle = input.register_hook(hook)
         self._calls.append(call)
+        if self not in _open:
+            _register(self)
 
     def flush(self, *, wait: bool = True) -> Path | None:
         """Writes the calls of the current step to its file (nothing when there is none); returns the file.
         `wait=False` (the trainer's and a new step's first `record`'s): the step's numbers leave the device in one copy
         without a host synchronization and a background thread writes the file; the next `flush` or `close` waits for
-        it and raises its error (the step is not written again). With `wait=True` a failed write leaves the step to be
-        flushed again."""
-        self._join()
-        if not self._calls:
-            return None
-        path = self.dir / f"step-{self._step:07d}.parquet"
-        if path.exists():
-            raise ValueError(f"record_dir: expected no other recorder of rank {self.rank} in {self.dir.parent} (a "
-                             f"recorded step is never replaced), got {path}, written by another one")
-        calls, step = self._calls, self._step
-        parts = [(c["keys"], c["scalars"], c["vectors"], [c.get(f) for f in DIGEST_FIELDS]) for c in calls]
-        host = _HostCopy(_leaves(parts), self._device)
-        meta = {"kind": "training", "rank": self.rank, "metadata": self.metadata, "provenance": self._provenance,
+        it and raises its error (the step is not written again). With `wait=True` a write error raised leaves the step
+        to be flushed again. The first write takes the rank's folder (see `_claim`)."""
+        self._flushing = True
+        try:
+            self._join()
+            if not self._calls and not self._rollouts:
+                return None
+            self._claim()
+            rollouts, self._rollouts = self._rollouts, []
+            if not self._calls:  # rollouts alone (a generation before its step's first loss call)
+                for step, table in rollouts:
+                    self._save(step, self.dir / f"rollout-{step:07d}.parquet", table)
+                return None
+            path = self.dir / f"step-{self._step:07d}.parquet"
+            calls, step = self._calls, self._step
+            parts = [(c["keys"], c["scalars"], c["vectors"], [c.get(f) for f in DIGEST_FIELDS],
+                      [d for _, d in c["layers"]]) for c in calls]
+            host = _HostCopy(_leaves(parts), self._device)
+            meta = self._meta("training")
+            args = (step, path, [(c["micro_batch"], c["generation"], [f for f, _ in c["layers"]]) for c in calls],
+                    parts, host, meta, rollouts)
+            if wait:
+                self._save(*args)  # on an error raised the step stays to be flushed again
+            else:
+                self._writing = self._writer.submit(self._save, *args, background=True)
+            self._calls, self._written = [], step
+            return path
+        finally:
+            self._flushing = False
+            if self._sigterm:
+                self._sigterm = False
+                signal.raise_signal(signal.SIGTERM)
+
+    def record_rollout(self, *, step: int, positions: list[int], prompt_ids: list[list[int]],
+                       completion_ids: list[list[int]], rewards: np.ndarray, texts: list[str],
+                       sampler_logps: list[np.ndarray] | None = None, trainer_logps: list[np.ndarray] | None = None,
+                       meta: dict[str, Any] | None = None) -> None:
+        """Records what one generation gave this rank's sequences (`grpo_core.rollouts`: the ids, the rewards
+        `[n, reward functions]`, the sampler's and the trainer's log-prob of each completion token, the start of each
+        completion's text; `meta` beside them), written as `rollout-<step>.parquet` with the next flush."""
+        _check_count("step", step)
+        if self._step is not None and step < self._step:
+            raise ValueError(f"step: expected at least the last recorded step {self._step}, got {step}")
+        n = len(positions)
+        for name, value in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids), ("texts", texts)):
+            if not isinstance(value, list) or len(value) != n:
+                raise ValueError(f"{name}: expected a list of {n} (one per position), got {type(value).__name__} "
+                                 f"of {len(value) if hasattr(value, '__len__') else '?'}")
+        if np.asarray(rewards).ndim != 2 or len(rewards) != n:
+            raise ValueError(f"rewards: expected [{n}, reward functions], got {list(np.shape(rewards))}")
+        keys = [key_of(p, c) for p, c in zip(prompt_ids, completion_ids)]
+        full = {**self._meta("rollout"), **(meta or {})}
+        self._rollouts.append((step, rollout_table(step, positions, keys, prompt_ids, completion_ids, rewards,
+                                                   sampler_logps, trainer_logps, texts, full)))
+        if self not in _open:
+            _register(self)
+
+    def _meta(self, kind: str) -> dict[str, Any]:
+        return {"kind": kind, "rank": self.rank, "metadata": self.metadata, "provenance": self._provenance,
                 "grpo_core_version": _version(), "sequence_keys": KEY_FORMAT}
-        args = (path, step, [(c["micro_batch"], c["generation"]) for c in calls], parts, host, meta)
-        if wait:
-            self._write(*args)  # on an error the step stays to be flushed again
-        else:
-            self._writing = self._writer.submit(self._write_or_warn, *args)
-        self._calls, self._written = [], step
-        return path
 
     def close(self) -> None:
-        """Writes what is left and waits for the file (call it after the last backward)."""
+        """Writes what is left, waits for the file and gives the rank's folder up (call it after the last backward)."""
         self.flush()
+        self._release()
+        _unregister(self)
+
+    def _foreign(self) -> Path | None:
+        """The first file in `dir` that this recorder did not write (hidden ones aside: the lock, a file system's)."""
+        return next((p for p in sorted(self.dir.iterdir())
+                     if not p.name.startswith(".") and p.name not in self._files), None)
+
+    def _claim(self) -> None:
+        """Takes the rank's folder until `close`: an exclusive `flock` of `dir / LOCK` (released by `close` or the end
+        of the process), refused in one line when another recorder holds it (in this process or another) or when the
+        folder holds a file this one did not write. A refused recorder is not open: the exit does not try again."""
+        if self._lock is not None:
+            return
+        where = f"record_dir: expected no other recorder of rank {self.rank} in {self.dir.parent}"
+        while self._lock is None:
+            fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                _unregister(self)
+                raise ValueError(f"{where} (one recorder writes a rank's files), got {self.dir / LOCK} held by process "
+                                 f"{holder}") from None
+            try:
+                taken = os.stat(self.dir / LOCK).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                taken = False
+            if not taken:  # its holder closed and removed it after we opened it: open the new one
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._lock = fd
+        if (found := self._foreign()) is not None:
+            self._release()
+            _unregister(self)
+            raise ValueError(f"{where} (a recorded step is never replaced), got {found}, written by another one")
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            (self.dir / LOCK).unlink(missing_ok=True)  # while held: one who opened it meanwhile opens a new one
+            os.close(self._lock)
+            self._lock = None
 
     def _join(self) -> None:
         """Waits for the background write of the last step handed off, and raises its error."""
@@ -278,20 +508,48 @@ class TrainingRecorder:
         if writing is not None:
             writing.result()
 
-    def _write_or_warn(self, *args: Any) -> None:
-        """`_write` in the background: its error is raised by the next flush or close, and warned of at once (a
-        process that ends without `close` would not hear of it)."""
+    def _finish(self, *, close: bool) -> None:
+        """A SIGTERM's or the exit's flush (or close): what it cannot write is warned of, not raised."""
         try:
-            self._write(*args)
-        except BaseException as exc:
-            warnings.warn(f"TrainingRecorder: step {args[1]} was not written ({type(exc).__name__}: {exc}); the next "
-                          f"flush or close raises it", RuntimeWarning)
-            raise
+            self.close() if close else self.flush()
+        except Exception as exc:
+            warnings.warn(_one_line(exc), RuntimeWarning)
 
-    def _write(self, path: Path, step: int, calls: list[tuple[int, int]], parts: list, host: _HostCopy,
-               meta: dict[str, Any]) -> None:
+    def _save(self, step: int, path: Path, *args: Any, background: bool = False) -> None:
+        """`_write`, its error in one line naming the folder and the step: raised (in the background warned of at once,
+        and raised by the next flush or close) or, an OSError with `on_write_error="warn"`, warned of and dropped."""
+        try:
+            if len(args) == 1:  # a table ready to write (a rollout)
+                write_exclusive(args[0], path)
+                self._files.add(path.name)
+            else:
+                self._write(step, path, *args)
+            return
+        except BaseException as exc:
+            lost = f"record_dir: step {step} was not written ({_one_line(exc)}) to {self.dir}"
+            error = exc
+            if isinstance(exc, FileExistsError):
+                error = ValueError(f"record_dir: expected no other recorder of rank {self.rank} in {self.dir.parent} "
+                                   f"(a recorded step is never replaced), got {exc.filename}, written by another one")
+                lost = str(error)
+            elif isinstance(exc, OSError):
+                error = OSError(lost)
+                error.errno = exc.errno
+        goes_on = isinstance(error, OSError) and self.on_write_error == "warn"
+        if goes_on or background:
+            warnings.warn(f"{lost}; " + ("recording goes on (on_write_error='warn')" if goes_on else
+                                         "the next flush or close raises it"), RuntimeWarning)
+        if not goes_on:
+            raise error from None
+
+    def _write(self, step: int, path: Path, calls: list[tuple[int, int, list[str]]], parts: list, host: _HostCopy,
+               meta: dict[str, Any], rollouts: list[tuple[int, Any]]) -> None:
         import pyarrow as pa
-        import pyarrow.parquet as pq
+
+        for rollout_step, rollout in rollouts:  # before the step: a run's step file comes after its generation's
+            rollout_path = self.dir / f"rollout-{rollout_step:07d}.parquet"
+            write_exclusive(rollout, rollout_path)
+            self._files.add(rollout_path.name)
 
         cols: dict[str, list] = {k: [] for k in ("sequence", "field", "value", "bits", "digest", "generation",
                                                  "micro_batch")}
@@ -303,7 +561,7 @@ class TrainingRecorder:
             cols["micro_batch"] += [call[0]] * len(seqs)
             cols["generation"] += [call[1]] * len(seqs)
 
-        for call, (keys, scalars, vectors, digests) in zip(calls, _rebuild(parts, iter(host.tensors()))):
+        for call, (keys, scalars, vectors, digests, layers) in zip(calls, _rebuild(parts, iter(host.tensors()))):
             seqs, none = sequence_keys(*keys), [None] * len(keys[0])
             for f, v in zip(SCALAR_FIELDS, scalars):
                 add([f"rank{self.rank}/micro-batch{call[0]}"], f, [v.item()], [v.view(torch.int32).item()], [None],
@@ -311,16 +569,15 @@ class TrainingRecorder:
             for f, t in vectors.items():
                 bits = t if f == "per_sequence_active_tokens" else t.view(torch.int32)
                 add(seqs, f, [float(v) for v in t.tolist()], bits.tolist(), none, call)
-            for f, d in zip(DIGEST_FIELDS, digests):
+            for f, d in [*zip(DIGEST_FIELDS, digests), *zip(call[2], layers)]:
                 if d is not None:
                     add(seqs, f, none, none, _hex(d), call)
         n = len(cols["sequence"])
         table = pa.Table.from_pydict({"step": [step] * n, **cols, "rank": [self.rank] * n, "order": list(range(n))},
                                      schema=schema())
         table = table.replace_schema_metadata({b"grpo_core": json.dumps(meta, sort_keys=True).encode()})
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        write_exclusive(table, path)
+        self._files.add(path.name)
 
 
 def schema():

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import (GOLDEN, ROOT, UsageError, from_checkout, harness_parser, missing_module, under_torchrun,
-                  usage_error, world_size)
+from .cli import (GOLDEN, ROOT, UsageError, distinct_runs, from_checkout, harness_parser, missing_module,
+                  under_torchrun, usage_error, world_size)
 
 try:
     import pandas as pd
@@ -33,8 +33,8 @@ try:
     from .golden import MANIFEST, PORTABLE, TENSOR_CORES, read_manifest, verify_golden, write_goldens
     from .record import TableError, git_commit, load_run, read_table, world_run, write_table
     from .scenarios import SCENARIOS
-    from .topology import layouts, run_torchrun, run_world
-    from .training import cmd_diff_training, is_training_run
+    from .topology import in_turn, layouts, run_torchrun, run_world
+    from .training import cmd_diff_training, is_training_run, load_training_run
 except ModuleNotFoundError as exc:  # an interpreter without the project (the system python3): one line, not a traceback
     if __name__ != "__main__":
         raise
@@ -86,13 +86,42 @@ def _world(args) -> int:
         raise UsageError(f"GRPO_MAX_WORLD: {err}") from None
 
 
-def _record(args, names: list[str], layout_names: list[str], world: int) -> dict | None:
-    call = (names, layout_names, getattr(args, "plant_drift", None), args.kernels, True)
+def held_layouts(names: list[str], world: int) -> tuple[dict[str, list[str]], list[str]]:
+    """Per scenario, the layouts of a world of `world` ranks it can be sharded on (TP at most its vocab tiles, DP
+    at most its sequences: `ShardingSpec.uniform`'s bounds); and a line for each scenario that skips some."""
+    held, skipped = {}, []
+    for name in names:
+        c = SCENARIOS[name].contract()
+        tiles, seqs = c.logprob_contract.num_tiles, c.num_sequences
+        held[name] = [l.name for l in layouts(world, max_tp=tiles, max_dp=seqs)]
+        why = []
+        if world > tiles:
+            why.append(f"TP > {tiles} (vocab {c.vocab_size} holds {plural(tiles, 'tile')} of {c.vocab_tile})")
+        if world > seqs:
+            why.append(f"DP > {seqs} ({plural(seqs, 'sequence')})")
+        if why:
+            skipped.append(f"{name}: layouts with {' or '.join(why)} skipped")
+    return held, skipped
+
+
+def _record(args, held: dict[str, list[str]], world: int) -> dict | None:
+    """Every scenario on the layouts it holds (`held_layouts`), in one world: the scenarios that hold the same
+    layouts in one pass. Rank 0 gets the rows, the guards and the provenance; every other rank None."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, lays in held.items():
+        groups.setdefault(tuple(lays), []).append(name)
+    calls = [(names, list(lays), getattr(args, "plant_drift", None), args.kernels, True)
+             for lays, names in groups.items()]
     if args.torchrun:
-        return run_torchrun(world_run, *call, device=args.device, timeout_s=args.timeout,
+        outs = run_torchrun(in_turn, world_run, calls, device=args.device, timeout_s=args.timeout,
                             memory_fraction=args.cuda_memory_fraction)
-    return run_world(world_run, world, *call, device=args.device, backend=args.process_group, timeout_s=args.timeout,
-                     memory_fraction=args.cuda_memory_fraction)[0]
+    else:
+        outs = run_world(in_turn, world, world_run, calls, device=args.device, backend=args.process_group,
+                         timeout_s=args.timeout, memory_fraction=args.cuda_memory_fraction)[0]
+    if outs[0] is None:
+        return None
+    return {"rows": [r for o in outs for r in o["rows"]], "provenance": outs[0]["provenance"],
+            "guards": {k: v for o in outs for k, v in o["guards"].items()}}
 
 
 def side_by_side(golden: dict, run: dict) -> str:
@@ -195,10 +224,14 @@ def cmd_run(args) -> int:
     world = _world(args)
     lays = [l.name for l in layouts(world)]
     names = _scenarios(args)
+    held, skipped = held_layouts(names, world)
     _check_device(args)
     if args.plant_drift is not None and args.plant_drift not in lays:
         raise UsageError(f"--plant-drift: expected one of this run's layouts ({', '.join(lays)}), got "
                          f"{args.plant_drift}")
+    if args.plant_drift is not None and not any(args.plant_drift in h for h in held.values()):
+        raise UsageError(f"--plant-drift: expected a layout that one of the scenarios can be sharded on "
+                         f"({'; '.join(skipped)}), got {args.plant_drift}")
     golden_dir = _golden_dir(args)
     if not golden_dir.is_dir():
         raise UsageError(f"--golden-dir: expected a folder holding a golden set, got {golden_dir} "
@@ -226,7 +259,7 @@ def cmd_run(args) -> int:
             parts.append(got[0][got[0]["scenario"].isin(served)])
             recorded.update({k: v for k, v in got[1].items() if k in served})
     run_dir = _run_dir(args, golden_dir)
-    out = _record(args, names, lays, world)
+    out = _record(args, held, world)
     if out is None:  # a torchrun rank other than 0
         return 0
     if args.out is None:
@@ -253,9 +286,12 @@ def cmd_run(args) -> int:
     if stale:
         failures.append(f"golden contract fingerprints differ for {stale}: the scenario's contract changed; "
                         f"re-record the goldens only if the change is intended")
-    grid = table.pivot(index="scenario", columns="topology", values="vs_single_rank")[lays]
+    grid = table.pivot(index="scenario", columns="topology", values="vs_single_rank")
+    grid = grid.reindex(columns=lays, fill_value="skipped").fillna("skipped")  # not run there, not missing
     print(f"\n{plural(df['scenario'].nunique(), 'scenario')} x {plural(len(lays), 'layout')} on {meta['platform']} "
           f"({out['provenance']['process_group']}, world {world}) in {time.monotonic() - started:.1f} s")
+    for line in skipped:
+        print(line)
     if args.plant_drift:
         print(f"planted: a regrouped token sum at {args.plant_drift} (the gate must fail)")
     print(grid.to_string())
@@ -279,8 +315,9 @@ def cmd_run(args) -> int:
                          + side_by_side(recorded.get(first, {}), out["provenance"])
                          + f"\n{promise}, so a difference is a change of the math (or a bug) to explain. Once the "
                            f"change is intended, " + commands[folder].replace("record", "re-record", 1))
+    skips = [*(f"- {line}" for line in skipped), ""] if skipped else []
     report = ["# Determinism run", "", f"Platform `{meta['platform']}`, provenance:", "",
-              "```json", json.dumps(out["provenance"], indent=1), "```", "", "```", grid.to_string(), "```", "",
+              "```json", json.dumps(out["provenance"], indent=1), "```", "", *skips, "```", grid.to_string(), "```", "",
               "## Failures" if failures else "All identical.", ""]
     report += [f"- {f}" for f in failures]
     (run_dir / "summary.md").write_text("\n".join(report) + "\n")
@@ -293,7 +330,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    if is_training_run(args.a) or is_training_run(args.b):
+    training = is_training_run(args.a) or is_training_run(args.b)
+    distinct_runs(args.a, args.b, lambda: (load_training_run if training else load_run)("RUN_A", args.a))
+    if training:
         return cmd_diff_training(args.a, args.b)
     a, _ = load_run("RUN_A", args.a)
     b, _ = load_run("RUN_B", args.b)
@@ -370,7 +409,7 @@ def cmd_goldens(args) -> int:
                                  f"{read_manifest(target)['platform']} and this is {platform}; got {args.scenarios}")
             part = existing is not None
         keep[target] = part
-    out = _record(args, names, [SINGLE], 1)
+    out = _record(args, held_layouts(names, 1)[0], 1)
     if out is None:
         return 0
     rows = pd.DataFrame(out["rows"])

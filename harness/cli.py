@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "golden" / "canonical"
@@ -53,6 +54,17 @@ def missing_module(prog: str, err: ModuleNotFoundError) -> int:
     return usage_error(prog, UsageError(
         f"{err.name}: expected an interpreter with grpo-core and its [harness] extras installed, got {sys.executable}, "
         f"which lacks {err.name}; after `nox -s determinism` use .nox/determinism/bin/python (README, Which Python)"))
+
+
+def distinct_runs(a: str, b: str, read_a: Callable[[], object] | None = None) -> None:
+    """`UsageError` when RUN_B names RUN_A's run (a mistyped path: a run compared with itself is identical). A gate
+    run's folder and its run.parquet are the same run. `read_a`: reads RUN_A before the refusal, so that a damaged
+    run is named first."""
+    a_run, b_run = (p / "run.parquet" if (p / "run.parquet").is_file() else p for p in (Path(a), Path(b)))
+    if a_run.exists() and b_run.exists() and os.path.samefile(a_run, b_run):
+        if read_a is not None:
+            read_a()
+        raise UsageError(f"RUN_B: expected another run than RUN_A, got {b}, which is the same folder as RUN_A ({a})")
 
 
 def _checked(text: str, cast, ok, expected: str):
@@ -103,7 +115,11 @@ def under_torchrun() -> bool:
 
 COMMANDS = {"run": "every scenario on every TP x DP layout, diffed bitwise against the single-rank run and the golden",
             "goldens": "record the golden set (explicit; never a side effect of run)",
-            "diff": "two recorded runs, layout with layout, bitwise"}
+            "diff": "two recorded runs, bitwise: gate runs layout with layout, training runs step by step"}
+RUNS = ("RUN_A and RUN_B: two gate runs (the folder `python -m harness run` wrote, or its run.parquet), compared "
+        "layout with layout; or two training runs (a folder of rank-*/step-*.parquet written by TrainingRecorder or "
+        "GRPOCoreTrainer(record_dir=...)), compared step by step, sequence by sequence.")
+RUN_HELP = "a gate run (its folder or run.parquet) or a training run (a folder of rank-*/step-*.parquet)"
 
 
 def harness_parser(description: str | None = None, scenarios: list[str] | None = None) -> Parser:
@@ -146,7 +162,8 @@ def harness_parser(description: str | None = None, scenarios: list[str] | None =
                                                        "replaced")
             s.add_argument("--plant-drift", type=layout_name, default=None, metavar="LAYOUT",
                            help="run a regrouped token-sum op at this layout (e.g. tp2xdp1): the gate must fail")
-    d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
-    d.add_argument("a", metavar="RUN_A", help="a run folder or its run.parquet")
-    d.add_argument("b", metavar="RUN_B", help="a run folder or its run.parquet")
+    d = sub.add_parser("diff", help=COMMANDS["diff"], description=f"Two recorded runs, bitwise. {RUNS} Exit code: 0 "
+                       f"identical, 1 anything moved or missing on one side, 2 a mistake (one line, nothing compared).")
+    d.add_argument("a", metavar="RUN_A", help=RUN_HELP)
+    d.add_argument("b", metavar="RUN_B", help="the other run, of RUN_A's kind")
     return p

@@ -41,9 +41,12 @@ class Layout:
         return cls(int(tp), int(dp))
 
 
-def layouts(max_world: int) -> list[Layout]:
-    """Every TP x DP factorization of every world size from 1 to `max_world`."""
-    return sorted((Layout(tp, w // tp) for w in range(1, max_world + 1) for tp in range(1, w + 1) if w % tp == 0),
+def layouts(max_world: int, max_tp: int | None = None, max_dp: int | None = None) -> list[Layout]:
+    """Every TP x DP factorization of every world size from 1 to `max_world`; TP at most `max_tp` and DP at most
+    `max_dp` where given (what a scenario can be sharded on: whole vocab tiles per TP rank, whole sequences per DP
+    rank)."""
+    return sorted((Layout(tp, w // tp) for w in range(1, max_world + 1) for tp in range(1, w + 1)
+                   if w % tp == 0 and tp <= (max_tp or w) and w // tp <= (max_dp or w)),
                   key=lambda l: (l.world, -l.tp))
 
 
@@ -139,6 +142,12 @@ def _worker(rank: int, world_size: int, fn: Callable, args: tuple, init_file: st
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def in_turn(ctx: RankContext, fn: Callable, calls: list[tuple]) -> list[Any]:
+    """`fn(ctx, *args)` for each `args` of `calls`, one after the other in one world (each call its own layouts,
+    say); every result, in order."""
+    return [fn(ctx, *args) for args in calls]
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, device: str = "cpu", backend: str | None = None,

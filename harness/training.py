@@ -17,6 +17,7 @@ layout (world size, accumulation, micro-batch size): otherwise their micro-batch
 from __future__ import annotations
 
 import concurrent.futures
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from grpo_core.digest import LANES
-from grpo_core.recorder import DIGEST_FIELDS, SCALAR_FIELDS, SEQUENCE_FIELDS, schema
+from grpo_core.recorder import DIGEST_FIELDS, LAYER_FIELD, SCALAR_FIELDS, SEQUENCE_FIELDS, schema
+from grpo_core.rollouts import read_rollouts
 
 from .cli import UsageError
 from .diff import plural, ulp_distance
 from .record import TableError, check_table, table_metadata
 
 KEY = ["step", "sequence", "occurrence", "field"]
+UNFINISHED = re.compile(r"rank-(\d+)/(?:step|rollout)-(\d+)\.parquet\S*\.tmp")  # a write the process did not end
 INPUTS = ("input_digest", "logps_digest", "advantages")  # what the loss is given
 GRADIENT = ("grad_digest", "grad_mantissa_digest")
 LAYOUT = ("world_size", "gradient_accumulation_steps", "per_device_train_batch_size")
@@ -77,6 +80,11 @@ def _read_file(path: Path) -> tuple[pa.Table, dict[str, Any]]:
     return table.replace_schema_metadata(None), meta
 
 
+def layer_fields(fields: pd.Series) -> pd.Series:
+    """Whether each field is a module's output digest (`record_layers`: `layer/<index>/<module name>`)."""
+    return fields.str.fullmatch(LAYER_FIELD)
+
+
 def check_training_rows(df: pd.DataFrame, where: str) -> None:
     """Known fields, no empty key, `value` equal to the number `bits` encodes, digests of the recorder's width, one
     row per (rank, step, order)."""
@@ -84,8 +92,9 @@ def check_training_rows(df: pd.DataFrame, where: str) -> None:
         r = df[mask].iloc[0]
         return f"{int(mask.sum())} rows, first step {r['step']} {r['sequence']} {r['field']}"
 
-    check_table(df, where, first, required=["step", "sequence", "field", "rank", "order"], fields=FIELDS,
-                unique=["rank", "step", "order"], digests=DIGEST_FIELDS, digest_hex=8 * LANES)
+    layers = tuple(df.loc[layer_fields(df["field"]), "field"].unique())
+    check_table(df, where, first, required=["step", "sequence", "field", "rank", "order"], fields=FIELDS + layers,
+                unique=["rank", "step", "order"], digests=DIGEST_FIELDS + layers, digest_hex=8 * LANES)
 
 
 def read_training_run(folder: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
@@ -106,7 +115,15 @@ def read_training_run(folder: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     check_training_rows(df, str(folder))
     df = df.sort_values(["step", "rank", "order"], ignore_index=True)
     df["occurrence"] = df.groupby(["step", "sequence", "field"]).cumcount()
-    meta = {**meta, "ranks": sorted(int(r) for r in df["rank"].unique()), "steps": int(df["step"].nunique())}
+    unfinished = sorted({(int(m[1]), int(m[2])) for p in folder.glob("rank-*/*.tmp")
+                         if (m := UNFINISHED.fullmatch(f"{p.parent.name}/{p.name}"))})
+    try:
+        rollouts = read_rollouts(folder)
+    except ValueError as exc:
+        raise TableError("rollout", str(exc)) from None
+    meta = {**meta, "ranks": sorted(int(r) for r in df["rank"].unique()), "steps": int(df["step"].nunique()),
+            "files": sorted({(int(r), int(s)) for r, s in zip(df["rank"], df["step"])}), "unfinished": unfinished,
+            "rollouts": rollouts}
     return df, meta
 
 
@@ -157,14 +174,18 @@ def sequence_verdicts(diffs: pd.DataFrame) -> pd.DataFrame:
     lacks, the largest ULP distance, and `cause` (`CAUSES`)."""
     moved = diffs[~diffs["in_one_run"] & ~diffs["field"].isin(SCALAR_FIELDS)].sort_values(KEY)
     by = [moved[k] for k in ("step", "sequence", "occurrence")]  # whole columns: a long run has many sequences
-    out = pd.DataFrame({"fields": moved.groupby(by, sort=True)["field"].agg(",".join),
-                        "upstream": moved["field"].isin(INPUTS).groupby(by, sort=True).any(),
+    layer = layer_fields(moved["field"])
+    out = pd.DataFrame({"fields": moved[~layer]["field"].groupby([b[~layer] for b in by], sort=True).agg(",".join),
+                        "upstream": (moved["field"].isin(INPUTS) | layer).groupby(by, sort=True).any(),
                         "gradient": moved["field"].isin(GRADIENT).groupby(by, sort=True).all(),
+                        "first_module": moved[layer]["field"].groupby([b[layer] for b in by], sort=True).min(),
                         "max_ulp": moved["ulp"].groupby(by, sort=True).max().fillna(0.0).astype("float64")})
+    out["fields"] = out["fields"].fillna("")
+    out["first_module"] = out["first_module"].fillna("").str.replace(r"^layer/\d+/", "", regex=True)
     out["cause"] = np.select([out["upstream"], out["fields"] == "grad_digest", out["gradient"]],
                              ["upstream", "scale", "gradient"], "loss")
     out = out.reset_index().astype({"step": "int64", "occurrence": "int64"})
-    return out[["step", "sequence", "occurrence", "fields", "cause", "max_ulp"]]
+    return out[["step", "sequence", "occurrence", "fields", "cause", "first_module", "max_ulp"]]
 
 
 def step_summary(a: pd.DataFrame, b: pd.DataFrame, diffs: pd.DataFrame, verdicts: pd.DataFrame) -> pd.DataFrame:
@@ -185,13 +206,50 @@ def step_summary(a: pd.DataFrame, b: pd.DataFrame, diffs: pd.DataFrame, verdicts
                               "scalar_moved"]]
 
 
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level, keys joined with '.'."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+NOT_A_SETTING = ("replay_from",)  # where a run read its completions: said apart, not a setting that moves numbers
+MODEL_KEYS = ("model_config.", "weights_digest")
+
+
 def metadata_differences(meta_a: dict, meta_b: dict) -> list[str]:
-    """`key: A vs B` for each run setting that differs (the layout included)."""
-    a, b = meta_a.get("metadata", {}), meta_b.get("metadata", {})
-    out = [f"{k}: A {a.get(k)!r} vs B {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    """`key: A vs B` for each run setting that differs: the recorded run description (the layout, the configuration,
+    the model, the versions; nested keys joined with '.') and the provenance (the device, torch's settings)."""
+    out = []
+    for part in ("metadata", "provenance"):
+        a, b = (_flat({k: v for k, v in m.get(part, {}).items() if k not in NOT_A_SETTING}) for m in (meta_a, meta_b))
+        prefix = "" if part == "metadata" else "provenance."
+        out += [f"{prefix}{k}: A {a.get(k)!r} vs B {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)]
     if meta_a["ranks"] != meta_b["ranks"]:
         out.append(f"ranks: A {meta_a['ranks']} vs B {meta_b['ranks']}")
     return out
+
+
+def run_notes(meta_a: dict, meta_b: dict) -> list[str]:
+    """What the reader must know before the per-sequence comparison: runs of different models, a replay, a step file
+    one run lacks, a write a run did not finish."""
+    notes = [f"the runs train different models ({'; '.join(models)}): every sequence's hidden states differ by "
+             f"construction, so the comparison below says where they moved, not why"
+             for models in [[d for d in metadata_differences(meta_a, meta_b) if d.startswith(MODEL_KEYS)]] if models]
+    for side, m in (("A", meta_a), ("B", meta_b)):
+        if m.get("metadata", {}).get("replay_from"):
+            notes.append(f"{side} replayed the completions of {m['metadata']['replay_from']}")
+    for side, other, m, n in (("A", "B", meta_a, meta_b), ("B", "A", meta_b, meta_a)):
+        lacking = sorted(set(n["files"]) - set(m["files"]))
+        notes += [f"{side} has no file for step {step} of rank {rank} ({other} has one)" for rank, step in lacking]
+        notes += [f"{side}: step {step} of rank {rank} was being written when the run stopped (a partial file is "
+                  f"left)" for rank, step in m["unfinished"]]
+    return notes
 
 
 def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
@@ -213,8 +271,74 @@ def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
     diffs = compare_training(a, b, scalars)
     verdicts = sequence_verdicts(diffs)
     steps = step_summary(a, b, diffs, verdicts)
+    missing = [n for n in run_notes(meta_a, meta_b) if " has no file " in n or "being written" in n]
+    first = None if diffs.empty else int(diffs["step"].min())
     return dict(a=a, b=b, meta_a=meta_a, meta_b=meta_b, scalars=scalars, diffs=diffs, verdicts=verdicts, steps=steps,
-                first=None if diffs.empty else int(diffs["step"].min()), settings=metadata_differences(meta_a, meta_b))
+                first=first, identical=first is None and not missing, settings=metadata_differences(meta_a, meta_b),
+                notes=run_notes(meta_a, meta_b), places=sequence_places(a, meta_a["rollouts"]),
+                sampler={side: sampler_mismatch(m["rollouts"]) for side, m in (("A", meta_a), ("B", meta_b))})
+
+
+def sequence_places(run: pd.DataFrame, rollouts: dict[int, list[dict]]) -> pd.DataFrame:
+    """Where each (step, sequence, occurrence) of `run` sat: its rank, micro-batch and position in that call, and the
+    start of its completion's text where the run recorded its rollouts."""
+    rows = run[run["field"] == "per_sequence_policy"].sort_values(["step", "rank", "micro_batch", "order"])
+    out = rows[["step", "sequence", "occurrence", "rank", "micro_batch"]].copy()
+    out["position"] = rows.groupby(["step", "rank", "micro_batch"]).cumcount()
+    text = {r["sequence"]: r["text"] for rs in rollouts.values() for r in rs}
+    out["text"] = [text.get(k, "") for k in out["sequence"]]
+    return out.reset_index(drop=True)
+
+
+def sampler_mismatch(rollouts: dict[int, list[dict]], worst: int = 10) -> dict[str, pd.DataFrame] | None:
+    """The sampler's log-probs against the trainer's, where a run recorded both (`record_sampler`): per step, over
+    the completion tokens, the share whose bits differ, max and mean |trainer - sampler|, the k3 estimate of
+    KL(sampler || trainer) (mean of exp(d) - d - 1, d = trainer - sampler) and the range of the sequences' importance
+    ratios exp(sum d); the `worst` sequences (by max |d|) and tokens. None when the run has none."""
+    seqs, tokens = [], []
+    for step, rows in sorted(rollouts.items()):
+        for r in rows:
+            if r["sampler_logps"] is None or r["trainer_logps"] is None:
+                continue
+            s, t = r["sampler_logps"], r["trainer_logps"]
+            d = t.astype(np.float64) - s.astype(np.float64)
+            seqs.append(dict(step=step, sequence=r["sequence"], rank=r["rank"], position=r["position"],
+                             tokens=len(d), other_bits=int((s.view(np.int32) != t.view(np.int32)).sum()),
+                             max_abs=float(np.abs(d).max(initial=0.0)), sum_abs=float(np.abs(d).sum()),
+                             k3_sum=float((np.expm1(d) - d).sum()), ratio=float(np.exp(d.sum())), text=r["text"]))
+            k = int(np.abs(d).argmax()) if len(d) else 0
+            if len(d):
+                tokens.append(dict(step=step, sequence=r["sequence"], token=k, id=r["completion_ids"][k],
+                                   sampler=float(s[k]), trainer=float(t[k]), delta=float(d[k])))
+    if not seqs:
+        return None
+    df = pd.DataFrame(seqs)
+    g = df.groupby("step")
+    steps = pd.DataFrame({"sequences": g.size(), "tokens": g["tokens"].sum(), "other_bits": g["other_bits"].sum(),
+                          "max_abs_delta": g["max_abs"].max(), "mean_abs_delta": g["sum_abs"].sum() / g["tokens"].sum(),
+                          "k3_kl": g["k3_sum"].sum() / g["tokens"].sum(), "min_ratio": g["ratio"].min(),
+                          "max_ratio": g["ratio"].max()}).reset_index()
+    df["mean_abs"] = df["sum_abs"] / df["tokens"].clip(lower=1)
+    df["k3_kl"] = df["k3_sum"] / df["tokens"].clip(lower=1)
+    top = df.sort_values(["max_abs", "step"], ascending=[False, True]).head(worst)
+    top = top[["step", "sequence", "rank", "position", "tokens", "other_bits", "max_abs", "mean_abs", "k3_kl",
+               "ratio", "text"]]
+    toks = pd.DataFrame(tokens).assign(abs_delta=lambda t: t["delta"].abs()).sort_values(
+        "abs_delta", ascending=False).drop(columns="abs_delta").head(worst)
+    return {"steps": steps, "sequences": top.reset_index(drop=True), "tokens": toks.reset_index(drop=True)}
+
+
+def sampler_text(side: str, m: dict[str, pd.DataFrame] | None) -> str | None:
+    """One line: the run's sampler against its trainer over all steps."""
+    if m is None:
+        return None
+    st = m["steps"]
+    tokens = int(st["tokens"].sum())
+    k3 = float((st["k3_kl"] * st["tokens"]).sum() / max(tokens, 1))
+    mean = float((st["mean_abs_delta"] * st["tokens"]).sum() / max(tokens, 1))
+    return (f"sampler vs trainer, {side}: {int(st['other_bits'].sum())} of {tokens} completion tokens' log-probs have "
+            f"other bits; max |delta log p| {st['max_abs_delta'].max():.3g}, mean {mean:.3g}; k3 KL {k3:.3g}; sequence "
+            f"importance ratios {st['min_ratio'].min():.6g} to {st['max_ratio'].max():.6g}")
 
 
 def verdict_text(c: dict[str, Any]) -> str:
@@ -222,13 +346,17 @@ def verdict_text(c: dict[str, Any]) -> str:
     steps, v = c["steps"], c["verdicts"]
     lines = [f"{plural(len(steps), 'step')}, {plural(int(steps['sequences'].sum()), 'sequence')} in both runs "
              f"(A: {layout_text(c['meta_a'])}; B: {layout_text(c['meta_b'])})"]
+    lines += c["notes"]
     if c["settings"]:
         lines.append("settings that differ: " + "; ".join(c["settings"]))
     if not c["scalars"]:
         lines.append("per-call scalars (loss, policy_loss, kl) not compared: the layouts differ, so the micro-batches "
                      "hold other sequences")
+    lines += [t for side in ("A", "B") if (t := sampler_text(side, c["sampler"][side]))]
     if c["first"] is None:
-        lines.append("identical: every recorded value and digest has the same bits at every step")
+        lines.append("identical: every recorded value and digest has the same bits at every step" if c["identical"]
+                     else "every value and digest both runs recorded has the same bits, but a step file is missing "
+                          "(above)")
         return "\n".join(lines)
     first = steps[steps["step"] == c["first"]].iloc[0]
     scalars = c["diffs"][(c["diffs"]["step"] == c["first"]) & c["diffs"]["field"].isin(SCALAR_FIELDS)]
@@ -236,6 +364,12 @@ def verdict_text(c: dict[str, Any]) -> str:
                  + _causes(first) + f"; {int(first['only_in_A']) + int(first['only_in_B'])} in one run only"
                  + ("; a per-call scalar moved" if first["scalar_moved"] else "")
                  + ("; a per-call scalar in one run only" if scalars["in_one_run"].any() else "") + ")")
+    layered = v[(v["step"] == c["first"]) & (v["first_module"] != "")]
+    if len(layered):
+        module = layered["first_module"].value_counts()
+        lines.append(f"first module whose output moved at step {c['first']}: {module.index[0]} (in "
+                     f"{plural(int(module.iloc[0]), 'sequence')} of {len(layered)})"
+                     + "".join(f", {name} ({n})" for name, n in module.iloc[1:4].items()))
     total = steps[list(CAUSES)].sum()
     lines.append(f"over all steps: {plural(len(v), 'sequence')} moved: " + _causes(total) + "; "
                  f"{int(steps['only_in_A'].sum()) + int(steps['only_in_B'].sum())} in one run only")
@@ -248,15 +382,24 @@ def _causes(counts) -> str:
             f"{int(counts['scale'])} in the gradient's scale alone, {int(counts['gradient'])} in the gradient alone")
 
 
-def format_moved(verdicts: pd.DataFrame, diffs: pd.DataFrame, limit: int = 20) -> str:
-    """One line per moved sequence: step, key, cause, the fields with their ULP distances."""
+def format_moved(verdicts: pd.DataFrame, diffs: pd.DataFrame, places: pd.DataFrame | None = None,
+                 limit: int = 20) -> str:
+    """One line per moved sequence: step, where it sat in A (rank, micro-batch, position), its key, cause, the first
+    module whose output moved, the fields with their ULP distances, the start of its completion."""
     parts: dict[tuple, list[str]] = {}  # one pass over the differences: a long run lists every sequence
-    for f in diffs[~diffs["in_one_run"]].itertuples(index=False):
+    for f in diffs[~diffs["in_one_run"] & ~layer_fields(diffs["field"])].itertuples(index=False):
         parts.setdefault((f.step, f.sequence, f.occurrence), []).append(
             f"{f.field} (missing in {f.missing})" if f.missing else f.field if np.isnan(f.ulp)
             else f"{f.field} {f.ulp:.0f} ULP")
-    lines = [f"  step {r.step} sequence {r.sequence}#{r.occurrence}: {r.cause} "
-             f"({', '.join(parts[r.step, r.sequence, r.occurrence])})" for r in verdicts.head(limit).itertuples()]
+    where = {} if places is None else {(p.step, p.sequence, p.occurrence): p for p in places.itertuples(index=False)}
+    lines = []
+    for r in verdicts.head(limit).itertuples():
+        p = where.get((r.step, r.sequence, r.occurrence))
+        at = "" if p is None else f"rank {p.rank} micro-batch {p.micro_batch} #{p.position} "
+        module = f"; first moved: {r.first_module}" if r.first_module else ""
+        text = f" {p.text!r}" if p is not None and p.text else ""
+        lines.append(f"  step {r.step} {at}sequence {r.sequence}#{r.occurrence}: {r.cause}{module} "
+                     f"({', '.join(parts.get((r.step, r.sequence, r.occurrence), []))}){text}")
     if len(verdicts) > limit:
         lines.append(f"  ... and {len(verdicts) - limit} more")
     return "\n".join(lines)
@@ -270,9 +413,10 @@ def cmd_diff_training(a_path: str, b_path: str) -> int:
     print(c["steps"].to_string(index=False))
     print(verdict_text(c))
     if c["first"] is None:
-        return 0
+        return 0 if c["identical"] else 1
     if len(c["verdicts"]):
-        print("moved sequences (key#occurrence):\n" + format_moved(c["verdicts"], c["diffs"]))
+        print("moved sequences (where they sat in A, key#occurrence):\n"
+              + format_moved(c["verdicts"], c["diffs"], c["places"]))
     scalars = c["diffs"][c["diffs"]["field"].isin(SCALAR_FIELDS) & (c["diffs"]["missing"] == "")]
     for r in scalars.head(10).itertuples(index=False):
         print(f"  step {r.step} {r.sequence} {r.field}: A {r.value_a!r} vs B {r.value_b!r}, {r.ulp:.0f} ULP")

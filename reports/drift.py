@@ -30,7 +30,7 @@ from harness.diff import (cells_of, compare, contract_differences, drift_first, 
                           plural, summarize)
 from harness.record import load_run  # noqa: E402
 from harness.training import (CAUSES, LAYOUT, SCALAR_FIELDS, format_moved, is_training_run,  # noqa: E402
-                              training_comparison, verdict_text)
+                              layout_text, sampler_text, training_comparison, verdict_text)
 from harness.scenarios import RegroupedTokenSumOp, Scenario  # noqa: E402
 
 VECTOR_FIELDS = ("per_sequence_policy", "per_sequence_kl", "advantages")
@@ -133,6 +133,7 @@ def per_step_figure(steps: pd.DataFrame) -> Figure:
     bottom.bar(x, steps["max_ulp"], color="#55a868")
     if steps["max_ulp"].max() > 0:
         bottom.set_yscale("log")
+        bottom.set_ylim(bottom=0.5)  # below 1 ULP, the smallest distance: every bar that is not 0 shows
     else:
         bottom.set_ylim(0, 1)
         bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -142,9 +143,32 @@ def per_step_figure(steps: pd.DataFrame) -> Figure:
     return fig
 
 
-def training_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
-    """Two recorded training runs (`harness/training.py`): the verdict, a per-step view, the moved sequences and the
-    sequences in one run only; returns the differences."""
+PER_STEP = ("One row per step: the sequences matched by key in both runs (`sequences`), how many of them moved "
+            "(`moved`) and why, then the other columns:\n\n" + "\n".join(f"- {cause}: {why}" for cause, why in CAUSES.items())
+            + "\n- max_ulp: the largest ULP distance of a moved value\n- only_in_A, only_in_B: sequences that one run "
+              "recorded at the step and the other did not\n- scalar_moved: a per-call scalar (loss, policy_loss, kl) "
+              "moved")
+
+
+def moved_scalars(c: dict) -> tuple[str, pd.DataFrame | None]:
+    """The per-call scalars (a rank's micro-batch's loss, policy_loss, kl) that moved, as `harness diff` prints
+    them: prose and a table (step, call, field, A, B, ULP), or why they were not compared."""
+    if not c["scalars"]:
+        return (f"Not compared: the layouts differ (A: {layout_text(c['meta_a'])}; B: {layout_text(c['meta_b'])}), "
+                f"so a call's micro-batch holds other sequences in each run.", None)
+    d = c["diffs"][c["diffs"]["field"].isin(SCALAR_FIELDS)]
+    moved = d[d["missing"] == ""]
+    table = pd.DataFrame({"step": moved["step"].astype("int64"), "call": moved["sequence"], "field": moved["field"],
+                          "A": moved["value_a"].map(repr), "B": moved["value_b"].map(repr),
+                          "ULP": moved["ulp"].astype("int64")})
+    alone = len(d) - len(moved)
+    return ("Each call (`rank<R>/micro-batch<M>`) whose loss, policy_loss or kl has other bits in B; at most 200 rows."
+            + f" {plural(alone, 'per-call value')} in one run only, not listed." * bool(alone), table.head(200))
+
+
+def training_report(a_path: str, b_path: str, out: Path) -> dict:
+    """Two recorded training runs (`harness/training.py`): the verdict, a per-step view, the moved sequences, the
+    per-call scalars that moved and the sequences in one run only; returns the comparison (`training_comparison`)."""
     c = training_comparison(a_path, b_path)
     out.mkdir(parents=True, exist_ok=True)
     _save(per_step_figure(c["steps"]), out / "per_step.png")
@@ -153,21 +177,54 @@ def training_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
                           **{k: m.get("metadata", {}).get(k) for k in LAYOUT}, "ranks": len(m["ranks"]),
                           "steps": m["steps"]}
                          for name, path, m in (("A", a_path, c["meta_a"]), ("B", b_path, c["meta_b"]))])
-    listing = c["verdicts"].astype({"max_ulp": "int64"})
+    listing = c["verdicts"].astype({"max_ulp": "int64"}).merge(c["places"], on=["step", "sequence", "occurrence"],
+                                                               how="left")
+    listing = listing[["step", "rank", "micro_batch", "position", "sequence", "occurrence", "cause", "first_module",
+                       "fields", "max_ulp", "text"]]
     gone = c["diffs"][c["diffs"]["in_one_run"] & ~c["diffs"]["field"].isin(SCALAR_FIELDS)]
-    gone = gone.groupby(["step", "sequence", "occurrence", "missing"]).size().reset_index(name="rows").rename(
+    gone = gone[["step", "sequence", "occurrence", "missing"]].drop_duplicates().rename(
         columns={"missing": "missing in"})
-    _write(out, "Training drift report", [
+    sections = [
         ("Runs", f"A = {a_path}\nB = {b_path}\n{verdict_text(c)}", runs, None),
-        ("Per step", "Sequences matched by key in both runs, how many moved and why ("
-         + "; ".join(f"{cause}: {why}" for cause, why in CAUSES.items())
-         + "), the largest ULP distance of a moved value, sequences in one run only.", c["steps"], "per_step.png"),
-        ("Sequences that moved", "At most 200 rows, by step.", listing.head(200), None),
-        ("In one run only", "Sequences (key#occurrence) that one run recorded at a step and the other did not.",
-         gone.head(200), None),
-    ])
-    (out / "differences.txt").write_text(format_moved(c["verdicts"], c["diffs"], limit=10**9) + "\n")
-    return c["diffs"]
+        ("Per step", PER_STEP, c["steps"], "per_step.png"),
+        ("Sequences that moved", "Where each sat in A (rank, micro-batch, its position in the call), its key, why it "
+         "moved, the first module whose output moved (runs recorded with `record_layers`), the fields that moved and "
+         "the start of its completion (runs that recorded their rollouts). At most 200 rows, by step.",
+         listing.head(200), None),
+        *layer_sections(c["verdicts"]),
+        ("Per-call scalars that moved", *moved_scalars(c), None),
+        ("In one run only", "One row per sequence (key#occurrence) that one run recorded at a step and the other did "
+         "not; `missing in` names the run that lacks it. At most 200 rows.", gone.head(200), None),
+    ]
+    for side in ("A", "B"):
+        sections += sampler_sections(side, c["sampler"][side])
+    _write(out, "Training drift report", sections)
+    (out / "differences.txt").write_text(format_moved(c["verdicts"], c["diffs"], c["places"], limit=10**9) + "\n")
+    return c
+
+
+def layer_sections(verdicts: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame, None]]:
+    """Runs with layer digests: per step, the first module whose output moved and in how many sequences."""
+    layered = verdicts[verdicts["first_module"] != ""]
+    if layered.empty:
+        return []
+    table = layered.groupby(["step", "first_module"]).size().reset_index(name="sequences")
+    return [("Where the drift starts", "Per step, for the sequences whose inputs moved: the first module (in the "
+             "order the forward runs them) whose output rows have other bits; the modules before it kept theirs.",
+             table, None)]
+
+
+def sampler_sections(side: str, m: dict[str, pd.DataFrame] | None) -> list[tuple[str, str, pd.DataFrame, None]]:
+    """A run recorded with `record_sampler`: its sampler's log-probs against its trainer's, per step, and the worst
+    sequences and tokens."""
+    if m is None:
+        return []
+    return [(f"Sampler against trainer, run {side}", sampler_text(side, m) + ". Per step, over the completion tokens "
+             "(delta = the trainer's log-prob - the sampler's; k3 KL: the mean of exp(delta) - delta - 1; ratio: a "
+             "sequence's exp(sum delta)).", m["steps"], None),
+            (f"Worst sequences, run {side}", "By the largest |delta| of a token.", m["sequences"], None),
+            (f"Worst tokens, run {side}", "The token of each sequence with the largest |delta|, the largest first.",
+             m["tokens"], None)]
 
 
 def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:

@@ -135,8 +135,9 @@ def test_diff_counts_rows_on_one_side_only_as_missing(runs, tmp_path, capsys, wh
         assert not re.search(r"\bnan\b", proc.stdout, re.I)
 
 
-def test_diff_accepts_run_folders_and_ends_identical_runs_with_a_count(runs, capsys):
-    proc = cli(capsys, "harness", "diff", str(runs["clean"]), str(runs["clean"]))
+def test_diff_accepts_run_folders_and_ends_identical_runs_with_a_count(runs, tmp_path, capsys):
+    copy = shutil.copytree(runs["clean"], tmp_path / "copy")  # a folder against itself is refused
+    proc = cli(capsys, "harness", "diff", str(runs["clean"]), str(copy))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = len(read_table(runs["clean"] / "run.parquet")[0])
     assert proc.stdout.splitlines()[-1] == f"identical: 6 cells (2 scenarios x 3 layouts), {rows} rows compared bitwise"

@@ -333,7 +333,7 @@ def test_listing_every_moved_sequence_of_a_long_run_is_quick():
                           "field": np.tile(fields, n), "ulp": np.tile([np.nan, 3.0], n), "missing": "",
                           "in_one_run": False})
     verdicts = pd.DataFrame({"step": steps, "sequence": seqs, "occurrence": 0, "fields": ",".join(fields),
-                             "cause": "upstream", "max_ulp": 3.0})
+                             "cause": "upstream", "first_module": "", "max_ulp": 3.0})
     start = time.monotonic()
     assert sequence_verdicts(diffs).equals(verdicts)
     lines = format_moved(verdicts, diffs, limit=10**9).splitlines()

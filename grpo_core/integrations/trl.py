@@ -57,14 +57,20 @@ below 1 on more than one process, logits that the model soft-caps or scales, and
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..digest import module_digests
 from ..linear import linear_grpo_loss, linear_logprobs
 from ..pending import raise_pending
 from ..recorder import TrainingRecorder
+from ..reproducible import make_reproducible
 from ..result import GRPOLossResult
+from ..rollouts import rng_states, set_rng_states
+from . import trl_run
 
 __all__ = ["GRPOCoreTrainer", "GRPOLinearLoss"]
 
@@ -232,9 +238,24 @@ def _grpo_core_trainer() -> type:
         `delta` below 1 + epsilon_high TRL counts the clamped ratio, ours the ratio). See the module docstring for what
         it refuses."""
 
-        def __init__(self, *args: Any, record_dir: str | None = None, **kwargs: Any):
+        def __init__(self, *args: Any, record_dir: str | None = None, reproducible: bool = False,
+                     replay_from: str | None = None, record_layers: bool = False, record_sampler: bool = False,
+                     **kwargs: Any):
+            for name, value in (("reproducible", reproducible), ("record_layers", record_layers),
+                                ("record_sampler", record_sampler)):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name}: expected True or False, got {value!r}")
+            for name, value in (("record_layers", record_layers), ("record_sampler", record_sampler)):
+                if value and record_dir is None:
+                    raise ValueError(f"{name}: expected record_dir= beside it (it records into the run's folder), "
+                                     f"got record_dir=None")
+            if reproducible:  # before the trainer's first CUDA work (the cuBLAS workspace is set once per process)
+                make_reproducible()
             super().__init__(*args, **kwargs)
             a = self.args
+            self.grpo_core_reproducible = reproducible or a.full_determinism
+            if a.full_determinism:  # transformers' own switch leaves cuDNN's attention on: turn it off as ours does
+                make_reproducible()
             if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
                 raise ValueError(f"top_entropy_quantile: expected 1.0 with GRPOCoreTrainer on more than one process, "
                                  f"got {self.top_entropy_quantile!r} (TRL's quantile spans the processes' tokens, the "
@@ -261,15 +282,30 @@ def _grpo_core_trainer() -> type:
                 check_values="deferred" if self.accelerator.num_processes == 1 else "sync")
             self.grpo_core_redirection = _ForwardRedirection()
             self.add_callback(_CheckValues())
-            self.grpo_core_recorder = None
+            self.grpo_core_recorder = self.grpo_core_replay = None
+            self.grpo_core_record_sampler = record_sampler
+            self.grpo_core_layers = None
+            self._grpo_core_generation: dict[str, Any] = {}  # what the generation in progress gave
+            if record_dir is None and replay_from is None:
+                return
+            if self.tools or self.rollout_func is not None or self.environment_factories is not None:
+                raise ValueError("record_dir / replay_from: expected a trainer that samples with its model (no tools, "
+                                 "rollout_func or environments: their completions are not the sampler's alone)")
+            description = trl_run.run_description(self, self.grpo_core_reproducible)
+            if replay_from is not None:
+                if self.use_vllm:
+                    raise ValueError("replay_from: expected use_vllm=False (a replay samples nothing), got True")
+                steps = None if a.max_steps <= 0 else trl_run.generation_steps(
+                    a.max_steps, a.gradient_accumulation_steps, a.steps_per_generation * self.num_iterations)
+                self.grpo_core_replay = trl_run.Replay(replay_from, description, steps)
+                description["replay_from"] = str(replay_from)
             if record_dir is not None:
-                self.grpo_core_recorder = TrainingRecorder(record_dir, rank=self.accelerator.process_index, metadata={
-                    "trainer": "GRPOCoreTrainer", "world_size": self.accelerator.num_processes,
-                    "gradient_accumulation_steps": a.gradient_accumulation_steps,
-                    "per_device_train_batch_size": a.per_device_train_batch_size,
-                    "steps_per_generation": a.steps_per_generation, "num_iterations": self.num_iterations,
-                    "num_generations": self.num_generations, "loss_type": self.loss_type, "beta": self.beta,
-                    "model": getattr(self.model.config, "_name_or_path", None), "seed": a.seed})
+                if record_layers:
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    self.grpo_core_layers = trl_run.layer_modules(
+                        unwrapped.base_model.model if is_peft_model(unwrapped) else unwrapped)
+                self.grpo_core_recorder = TrainingRecorder(record_dir, rank=self.accelerator.process_index,
+                                                           metadata=description)
                 self.add_callback(_FlushRecorder(self.grpo_core_recorder))
 
         def _compute_loss(self, model, inputs):
@@ -368,13 +404,107 @@ def _grpo_core_trainer() -> type:
                                            check_values=self.grpo_core_loss.check_values))
             return torch.cat(out), None, None
 
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+            """TRL's sampling; with `replay_from`, the recorded run's completions at this batch's places instead (its
+            generators restored to their state after that generation); with `record_sampler`, the sampler's
+            log-probs of what `generate` sampled."""
+            if not self.model.training or (self.grpo_core_recorder is None and self.grpo_core_replay is None):
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args,
+                                                     **kwargs)
+            step, device = self.state.global_step + 1, self.accelerator.device
+            if self.grpo_core_replay is not None:
+                lo = self.accelerator.process_index * len(prompt_ids)
+                rows = self.grpo_core_replay.rows(step, list(range(lo, lo + len(prompt_ids))), prompt_ids)
+                rng = self.grpo_core_replay.rng(step, self.accelerator.process_index, self.accelerator.num_processes)
+                if rng is not None:
+                    set_rng_states(rng, device)
+                self._grpo_core_generation = {"sampler_logps": (
+                    None if rows[0]["sampler_logps"] is None else [r["sampler_logps"] for r in rows]),
+                    "rng": rng_states(device)}
+                return [r["completion_ids"] for r in rows], None
+            sampler = None
+            if self.grpo_core_record_sampler and not self.use_vllm:
+                sampler = trl_run.SamplerLogps(self.accelerator.unwrap_model(self.model), self.temperature)
+            with sampler.capture() if sampler is not None else contextlib.nullcontext():
+                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                         num_generations, *args, **kwargs)
+            if logprobs is not None:  # vLLM's
+                got = [np.asarray(lp, dtype=np.float32) for lp in logprobs]
+            else:
+                got = None if sampler is None else sampler.of(completion_ids)
+            self._grpo_core_generation = {"sampler_logps": got, "rng": rng_states(device)}
+            return completion_ids, logprobs
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            """TRL's rewards of all processes' completions `[generation batch, reward functions]`; with
+            `replay_from`, the recorded ones (the reward functions are not called)."""
+            if self.grpo_core_replay is None or not self.model.training:
+                rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            else:
+                rewards = torch.from_numpy(self.grpo_core_replay.rewards(self.state.global_step + 1)).to(
+                    self.accelerator.device)
+            self._grpo_core_generation["rewards"] = rewards
+            return rewards
+
+        def _generate_and_score_completions(self, inputs):
+            """TRL's; while recording, the generation's rollout (ids, rewards, the sampler's and with
+            `record_sampler` the trainer's log-probs) goes to the recorder."""
+            self._grpo_core_generation = {}
+            out = super()._generate_and_score_completions(inputs)
+            if self.grpo_core_recorder is None or not self.model.training:
+                return out
+            g = self._grpo_core_generation
+            prompt_mask, completion_mask = out["prompt_mask"].bool(), out["completion_mask"].bool()
+            prompts = [p[m].tolist() for p, m in zip(out["prompt_ids"].cpu(), prompt_mask.cpu())]
+            completions = [c[m].tolist() for c, m in zip(out["completion_ids"].cpu(), completion_mask.cpu())]
+            lo = self.accelerator.process_index * len(completions)
+            trainer = None
+            if self.grpo_core_record_sampler:
+                trainer_logps = out.get("old_per_token_logps")
+                if trainer_logps is None:  # TRL computed none: the trainer's log-probs under the sampling weights
+                    with torch.no_grad():
+                        trainer_logps, _, _ = self._get_per_token_logps_and_entropies(
+                            self.model, torch.cat([out["prompt_ids"], out["completion_ids"]], 1),
+                            torch.cat([out["prompt_mask"], out["completion_mask"]], 1),
+                            out["completion_ids"].size(1), self.args.per_device_train_batch_size)
+                trainer = [t[m].numpy() for t, m in zip(trainer_logps.float().cpu(), completion_mask.cpu())]
+                self._log_sampler_difference(g.get("sampler_logps"), trainer)
+            self.grpo_core_recorder.record_rollout(
+                step=self.state.global_step + 1, positions=list(range(lo, lo + len(completions))), prompt_ids=prompts,
+                completion_ids=completions,
+                rewards=g["rewards"][lo:lo + len(completions)].float().cpu().numpy(),
+                sampler_logps=g.get("sampler_logps"), trainer_logps=trainer,
+                texts=self._tokenizer.batch_decode(completions, skip_special_tokens=True),
+                meta={"reward_functions": list(self.reward_func_names),
+                      "rng": g.get("rng") or rng_states(self.accelerator.device)})
+            return out
+
+        def _log_sampler_difference(self, sampler: list | None, trainer: list) -> None:
+            """TRL's `sampling/sampling_logp_difference/{mean,max}` (|trainer - sampler| over the completion tokens
+            of all processes)."""
+            if sampler is None:
+                return
+            d = np.abs(np.concatenate(trainer or [np.zeros(0)]).astype(np.float64)
+                       - np.concatenate(sampler or [np.zeros(0)]).astype(np.float64))
+            stats = torch.tensor([d.sum(), d.size, d.max(initial=0.0)], dtype=torch.float64,
+                                 device=self.accelerator.device)
+            total = self.accelerator.gather(stats[None]).view(-1, 3)
+            self._metrics["train"]["sampling/sampling_logp_difference/mean"].append(
+                (total[:, 0].sum() / total[:, 1].sum().clamp(min=1)).item())
+            self._metrics["train"]["sampling/sampling_logp_difference/max"].append(total[:, 2].max().item())
+
         def _grpo_core_loss(self, unwrapped, inputs, num_items, entropy_coef):
             """Backbone, then the fused linear loss on the completion positions (inside the wrapper's forward):
             `(loss, what the trainer logs)`."""
             completion_ids = inputs["completion_ids"]
             input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            hidden, weight, bias = self._hidden_and_head(unwrapped, input_ids, attention_mask, completion_ids.size(1))
+            recording = self.grpo_core_recorder is not None and self.model.training
+            layers = (module_digests(self.grpo_core_layers, attention_mask)
+                      if recording and self.grpo_core_layers is not None else contextlib.nullcontext(None))
+            with layers as layer_digests:
+                hidden, weight, bias = self._hidden_and_head(unwrapped, input_ids, attention_mask,
+                                                             completion_ids.size(1))
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
             applies = self.use_vllm and self.vllm_importance_sampling_correction  # as TRL (vespo: whenever given)
             is_ratio = inputs.get("importance_sampling_ratio") if applies or self.loss_type == "vespo" else None
@@ -384,14 +514,15 @@ def _grpo_core_trainer() -> type:
                                            vllm_is_ratio=is_ratio, num_items_in_batch=num_items,
                                            sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
                                            entropy_coef=entropy_coef)
-            if self.grpo_core_recorder is not None and self.model.training:
+            if recording:
                 accumulation = self.current_gradient_accumulation_steps
                 self.grpo_core_recorder.record(
                     r, step=self.state.global_step + 1, input=hidden, completion_ids=completion_ids,
                     completion_mask=mask, prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"],
                     old_logps=inputs.get("old_per_token_logps"), ref_logps=inputs.get("ref_per_token_logps"),
                     importance_sampling_ratio=is_ratio, micro_batch=self._step % accumulation,
-                    generation=self._step // (self.args.steps_per_generation * self.num_iterations))
+                    generation=self._step // (self.args.steps_per_generation * self.num_iterations),
+                    layers=layer_digests)
             return r.loss, {"kl": r.kl_token_mean, "clip": r.clip_fraction, "phi": r.vespo_phi,
                             "entropy_mean": r.entropy_token_mean,
                             "kept_entropy": r.per_sequence_kept_entropy, "kept_tokens": r.per_sequence_kept_tokens,
