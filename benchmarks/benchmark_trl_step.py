@@ -120,7 +120,7 @@ def parse_args() -> argparse.Namespace:
                    help="torch.use_deterministic_algorithms (warn: warn_only=True), with CUBLAS_WORKSPACE_CONFIG")
     p.add_argument("--record-dir", help="the `ours_rec` trainer's record_dir (a folder per model under it)")
     p.add_argument("--reproducible", action="store_true", help="GRPOCoreTrainer(reproducible=True) for ours and "
-                                                               "ours_rec (TRL's trainer: unchanged)")
+                                                               "ours_rec (process-wide: trainers after it run so too)")
     p.add_argument("--record-layers", action="store_true", help="ours_rec with record_layers=True")
     p.add_argument("--record-sampler", action="store_true", help="ours_rec with record_sampler=True")
     p.add_argument("--replay-from", help="ours and ours_rec replay this recorded run (a folder per model under it)")

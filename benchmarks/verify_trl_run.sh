@@ -2,10 +2,11 @@
 # The whole-run checks of `GRPOCoreTrainer` on one GPU, at the Qwen2.5-0.5B shape (benchmark_trl_step.py's model,
 # seeded random weights): 20 optimizer steps, 5 generations of 8 x 8 completions of 128 tokens, micro-batches of 8,
 # accumulation 2. Each step's rows append to RESULTS (a Parquet file); the runs' records go under RECORDS.
-#   rep   the reproducible switch: a run (with `ours` beside it: the switch's cost), the same run again, a replay of
-#         the first with its configuration and one with another accumulation (1 micro-batch a step); the diffs
-#   more  the default run twice (with `ours` beside the first: the recorder's cost), two reproducible runs with
-#         layer digests, one with the sampler's log-probs; the diffs
+#   rep   the reproducible switch: a run (`ours` beside it), the same run again, a replay of the first with its
+#         configuration and one with another accumulation (1 micro-batch a step); the diffs
+#   more  the default run twice (`ours` beside the first), two reproducible runs with layer digests, one with the
+#         sampler's log-probs; the diffs
+# The switch's cost: a part's steps against the other's; the recorder's: `ours_rec` against `ours` beside it.
 # Usage: bash benchmarks/verify_trl_run.sh rep|more RECORDS RESULTS [--tiny]   (--tiny: the CPU's small model)
 set -uo pipefail
 part=${1:?PART: rep or more}
@@ -20,7 +21,7 @@ model=$([ "${1:-}" = "--tiny" ] && echo tiny || echo 0.5b)
 whole=$([ "$model" = tiny ] && echo 8 || echo 16)  # one micro-batch a step: the generation batch over the same steps
 diff() { echo "== python3 -m harness diff $1 $2"; python3 -m harness diff "$records/$1/$model" "$records/$2/$model"
          echo "== exit code $?"; }
-run() { echo "== ${bench[*]} $*"; "${bench[@]}" "$@" 2>&1 | grep -v -e "it/s\]" -e "Warning" -e "warnings.warn"; }
+run() { echo "== ${bench[*]} $*"; "${bench[@]}" "$@" 2>&1 | grep -v -e "it/s\]" -e "FutureWarning" -e "warnings.warn"; }
 case "$part" in
   rep)
     run --trainers ours,ours_rec --reproducible --record-dir "$records/rep1"

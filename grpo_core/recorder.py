@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -170,7 +171,8 @@ def _unregister(recorder: TrainingRecorder) -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Writes every open recorder's steps, then ends the process as SIGTERM would have: the earlier Python handler runs
-    (the recorders stay open: the process may go on), or the default action (they are closed first). A recorder in the
+    once the steps handed off are written (the recorders stay open and keep the step being recorded: the process may
+    go on, and its exit writes it), or the default action (they are closed first). A recorder in the
     middle of a `flush` raises the signal again when it ends (the handler runs between two of the main thread's
     bytecodes). A forked child's recorders are its parent's: it leaves them alone."""
     mine = [r for r in list(_open) if r._pid == os.getpid()]
@@ -289,7 +291,7 @@ class TrainingRecorder:
         self._step: int | None = None
         self._written: int | None = None  # the last step written: never written again
         self._calls: list[dict[str, Any]] = []
-        self._rollouts: list[tuple[int, Any]] = []  # (step, table) of the generations not written yet
+        self._rollouts: list[tuple[int, Any]] = []  # (step, its table's maker) of the generations not written yet
         self._provenance: dict[str, Any] | None = None
         self._device = torch.device("cpu")  # where the recorded tensors live: the first call's input's device
         # one background thread writes the steps handed off (it ends with the recorder; a pending write ends first)
@@ -359,6 +361,8 @@ class TrainingRecorder:
                              f"digests (grpo_core.digest.module_digests), got " + (
                                  ", ".join(f"{k!r}: {list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
                                            for k, v in layers.items()) if isinstance(layers, dict) else repr(layers)))
+        if self._provenance is None:  # before the flush below: a generation's rollout waiting in it carries it too
+            self._device, self._provenance = input.device, _provenance(input.device)
         if step != self._step:
             self.flush(wait=False)
             self._step = step
@@ -376,8 +380,6 @@ class TrainingRecorder:
                         if getattr(result, f) is not None and (f != "advantages" or getattr(result, f).dim() == 1)},
             "input_digest": digests[0], "logps_digest": digests[1],
             "layers": [(f"layer/{i:03d}/{name}", d) for i, (name, d) in enumerate((layers or {}).items())]}
-        if self._provenance is None:
-            self._device, self._provenance = input.device, _provenance(input.device)
         if input.requires_grad and torch.is_grad_enabled():
             def hook(grad: torch.Tensor) -> None:
                 call["grad_digest"], call["grad_mantissa_digest"] = rows(grad, mantissas(grad))
@@ -400,10 +402,14 @@ class TrainingRecorder:
             if not self._calls and not self._rollouts:
                 return None
             self._claim()
-            rollouts, self._rollouts = self._rollouts, []
+            rollouts, self._rollouts = [(step, make()) for step, make in self._rollouts], []
             if not self._calls:  # rollouts alone (a generation before its step's first loss call)
-                for step, table in rollouts:
-                    self._save(step, self.dir / f"rollout-{step:07d}.parquet", table)
+                for i, (step, table) in enumerate(rollouts):
+                    try:
+                        self._save(step, self.dir / f"rollout-{step:07d}.parquet", table)
+                    except BaseException:
+                        self._rollouts = [(s, lambda t=t: t) for s, t in rollouts[i:]]  # to be flushed again
+                        raise
                 return None
             path = self.dir / f"step-{self._step:07d}.parquet"
             calls, step = self._calls, self._step
@@ -414,7 +420,12 @@ class TrainingRecorder:
             args = (step, path, [(c["micro_batch"], c["generation"], [f for f, _ in c["layers"]]) for c in calls],
                     parts, host, meta, rollouts)
             if wait:
-                self._save(*args)  # on an error raised the step stays to be flushed again
+                try:
+                    self._save(*args)  # on an error raised the step stays to be flushed again
+                except BaseException:
+                    self._rollouts = [(s, lambda t=t: t) for s, t in rollouts if f"rollout-{s:07d}.parquet"
+                                      not in self._files] + self._rollouts
+                    raise
             else:
                 self._writing = self._writer.submit(self._save, *args, background=True)
             self._calls, self._written = [], step
@@ -428,10 +439,11 @@ class TrainingRecorder:
     def record_rollout(self, *, step: int, positions: list[int], prompt_ids: list[list[int]],
                        completion_ids: list[list[int]], rewards: np.ndarray, texts: list[str],
                        sampler_logps: list[np.ndarray] | None = None, trainer_logps: list[np.ndarray] | None = None,
-                       meta: dict[str, Any] | None = None) -> None:
+                       keys: list[str] | None = None, meta: dict[str, Any] | None = None) -> None:
         """Records what one generation gave this rank's sequences (`grpo_core.rollouts`: the ids, the rewards
         `[n, reward functions]`, the sampler's and the trainer's log-prob of each completion token, the start of each
-        completion's text; `meta` beside them), written as `rollout-<step>.parquet` with the next flush."""
+        completion's text; `meta` beside them), written as `rollout-<step>.parquet` with the next flush. `keys`: the
+        sequences' keys when their step rows key them by other ids than these (default: `key_of` these ids)."""
         _check_count("step", step)
         if self._step is not None and step < self._step:
             raise ValueError(f"step: expected at least the last recorded step {self._step}, got {step}")
@@ -442,10 +454,12 @@ class TrainingRecorder:
                                  f"of {len(value) if hasattr(value, '__len__') else '?'}")
         if np.asarray(rewards).ndim != 2 or len(rewards) != n:
             raise ValueError(f"rewards: expected [{n}, reward functions], got {list(np.shape(rewards))}")
-        keys = [key_of(p, c) for p, c in zip(prompt_ids, completion_ids)]
-        full = {**self._meta("rollout"), **(meta or {})}
-        self._rollouts.append((step, rollout_table(step, positions, keys, prompt_ids, completion_ids, rewards,
-                                                   sampler_logps, trainer_logps, texts, full)))
+        if keys is None:
+            keys = [key_of(p, c) for p, c in zip(prompt_ids, completion_ids)]
+        table = functools.partial(rollout_table, step, positions, keys, prompt_ids, completion_ids, rewards,
+                                  sampler_logps, trainer_logps, texts)  # checked now; its metadata when written
+        table(self._meta("rollout"))
+        self._rollouts.append((step, lambda: table({**self._meta("rollout"), **(meta or {})})))
         if self not in _open:
             _register(self)
 
@@ -509,9 +523,11 @@ class TrainingRecorder:
             writing.result()
 
     def _finish(self, *, close: bool) -> None:
-        """A SIGTERM's or the exit's flush (or close): what it cannot write is warned of, not raised."""
+        """A SIGTERM's or the exit's close, or (`close=False`: an earlier handler runs next and the process may go on)
+        the wait for the step handed off, the step being recorded left to record on: what it cannot write is warned of,
+        not raised (the exit writes what is left)."""
         try:
-            self.close() if close else self.flush()
+            self.close() if close else self._join()
         except Exception as exc:
             warnings.warn(_one_line(exc), RuntimeWarning)
 

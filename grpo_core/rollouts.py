@@ -11,8 +11,9 @@ they were generated:
 - `trainer_logps`: the trainer's log-prob of each completion token under the weights that sampled it (null where
   none was computed);
 - `text`: the start of the decoded completion, to name the sequence in a report.
-The file's metadata holds the reward functions' names and the random generators' states after the generation (what
-a replay restores, so that what follows the generation draws the same numbers).
+The file's metadata holds the reward functions' names and the states of torch's CPU generator and of the device's CUDA
+generator after the generation (what a replay restores, so that what follows the generation draws the same numbers;
+Python's and numpy's generators are not saved).
 
 Floats are stored as float32 arrays (bits kept, NaN payloads too). Reading needs pyarrow (the `harness` extra).
 """

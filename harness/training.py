@@ -225,8 +225,11 @@ def metadata_differences(meta_a: dict, meta_b: dict) -> list[str]:
     """`key: A vs B` for each run setting that differs: the recorded run description (the layout, the configuration,
     the model, the versions; nested keys joined with '.') and the provenance (the device, torch's settings)."""
     out = []
+    top = set(meta_a.get("metadata", {})) | set(meta_b.get("metadata", {}))  # the layout: said once, not as config.*
     for part in ("metadata", "provenance"):
         a, b = (_flat({k: v for k, v in m.get(part, {}).items() if k not in NOT_A_SETTING}) for m in (meta_a, meta_b))
+        a, b = ({k: v for k, v in x.items() if not (k.startswith("config.") and k[len("config."):] in top)}
+                for x in (a, b))
         prefix = "" if part == "metadata" else "provenance."
         out += [f"{prefix}{k}: A {a.get(k)!r} vs B {b.get(k)!r}" for k in sorted(set(a) | set(b))
                 if a.get(k) != b.get(k)]
@@ -235,21 +238,32 @@ def metadata_differences(meta_a: dict, meta_b: dict) -> list[str]:
     return out
 
 
+def missing_files(meta_a: dict, meta_b: dict) -> list[str]:
+    """A step file one run lacks (by rank where both runs have the same ranks, else a step no rank of one run wrote),
+    and a partial file a run left: the runs are not identical while any is there."""
+    out = []
+    for side, other, m, n in (("A", "B", meta_a, meta_b), ("B", "A", meta_b, meta_a)):
+        if m["ranks"] == n["ranks"]:
+            out += [f"{side} has no file for step {step} of rank {rank} ({other} has one)"
+                    for rank, step in sorted(set(n["files"]) - set(m["files"]))]
+        else:
+            out += [f"{side} has no file for step {step} ({other} has one)"
+                    for step in sorted({s for _, s in n["files"]} - {s for _, s in m["files"]})]
+        out += [f"{side}: step {step} of rank {rank} was being written when the run stopped (a partial file is left)"
+                for rank, step in m["unfinished"]]
+    return out
+
+
 def run_notes(meta_a: dict, meta_b: dict) -> list[str]:
-    """What the reader must know before the per-sequence comparison: runs of different models, a replay, a step file
-    one run lacks, a write a run did not finish."""
+    """What the reader must know before the per-sequence comparison: runs of different models, a replay, the files
+    one run lacks (`missing_files`)."""
     notes = [f"the runs train different models ({'; '.join(models)}): every sequence's hidden states differ by "
              f"construction, so the comparison below says where they moved, not why"
              for models in [[d for d in metadata_differences(meta_a, meta_b) if d.startswith(MODEL_KEYS)]] if models]
     for side, m in (("A", meta_a), ("B", meta_b)):
         if m.get("metadata", {}).get("replay_from"):
             notes.append(f"{side} replayed the completions of {m['metadata']['replay_from']}")
-    for side, other, m, n in (("A", "B", meta_a, meta_b), ("B", "A", meta_b, meta_a)):
-        lacking = sorted(set(n["files"]) - set(m["files"]))
-        notes += [f"{side} has no file for step {step} of rank {rank} ({other} has one)" for rank, step in lacking]
-        notes += [f"{side}: step {step} of rank {rank} was being written when the run stopped (a partial file is "
-                  f"left)" for rank, step in m["unfinished"]]
-    return notes
+    return notes + missing_files(meta_a, meta_b)
 
 
 def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
@@ -271,10 +285,10 @@ def training_comparison(a_path: str, b_path: str) -> dict[str, Any]:
     diffs = compare_training(a, b, scalars)
     verdicts = sequence_verdicts(diffs)
     steps = step_summary(a, b, diffs, verdicts)
-    missing = [n for n in run_notes(meta_a, meta_b) if " has no file " in n or "being written" in n]
     first = None if diffs.empty else int(diffs["step"].min())
     return dict(a=a, b=b, meta_a=meta_a, meta_b=meta_b, scalars=scalars, diffs=diffs, verdicts=verdicts, steps=steps,
-                first=first, identical=first is None and not missing, settings=metadata_differences(meta_a, meta_b),
+                first=first, identical=first is None and not missing_files(meta_a, meta_b),
+                settings=metadata_differences(meta_a, meta_b),
                 notes=run_notes(meta_a, meta_b), places=sequence_places(a, meta_a["rollouts"]),
                 sampler={side: sampler_mismatch(m["rollouts"]) for side, m in (("A", meta_a), ("B", meta_b))})
 

@@ -227,9 +227,9 @@ def sampler_sections(side: str, m: dict[str, pd.DataFrame] | None) -> list[tuple
              m["tokens"], None)]
 
 
-def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame:
-    """Compares run A with run B layout with layout (two training runs: step by step, sequence by sequence); returns
-    the differences and writes the report.
+def drift_report(a_path: str, b_path: str, out: Path) -> pd.DataFrame | dict:
+    """Compares run A with run B layout with layout (two training runs: step by step, sequence by sequence) and
+    writes the report; returns the differences (two training runs: their comparison, `training_comparison`'s).
 
     Raises `UsageError` when a path is not a run (folder or run.parquet)."""
     if is_training_run(a_path) or is_training_run(b_path):

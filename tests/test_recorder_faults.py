@@ -218,6 +218,23 @@ def test_a_sigterm_runs_the_earlier_handler_and_a_sigterm_in_a_flush_waits_for_i
     assert _names(tmp_path / "run" / "rank-00000") == ["step-0000001.parquet", "step-0000002.parquet"]
 
 
+def test_after_an_earlier_handler_lets_the_process_go_on_its_step_goes_on_too(tmp_path):
+    """A SIGTERM whose earlier handler does not end the process (a scheduler's "checkpoint, then stop later"): the step
+    being recorded stays open, so its next micro-batch is recorded into it and the step is written once, whole."""
+    script = f'''
+        signal.signal(signal.SIGTERM, lambda signum, frame: print("earlier handler"))
+        rec = TrainingRecorder({str(tmp_path / "run")!r})
+        rec.record(res, step=1, **args)
+        os.kill(os.getpid(), signal.SIGTERM)
+        rec.record(res, step=1, micro_batch=1, **args)
+        rec.close()
+    '''
+    proc = _run(script)
+    assert proc.returncode == 0 and proc.stdout == "earlier handler\n", proc.stderr
+    df, _ = read_training_run(tmp_path / "run")
+    assert sorted(df.loc[df["field"] == "loss", "micro_batch"].tolist()) == [0, 1]
+
+
 def test_the_exit_writes_the_step_being_recorded_and_a_forked_child_writes_nothing(tmp_path):
     """A script that ends without `close` has its last step written at the exit, and the folder given up. A child
     forked while a step is recorded (a data loader's worker) holds a copy of the recorder: neither its SIGTERM nor its

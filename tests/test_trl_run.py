@@ -78,6 +78,24 @@ def test_replaying_a_run_with_its_configuration_reproduces_it_bit_for_bit(tiny_m
             assert np.array_equal(x["rewards"].view(np.int32), y["rewards"].view(np.int32))
 
 
+def test_truncated_completions_masked_out_are_recorded_and_replayed_as_generated(tiny_model, tmp_path):
+    """`mask_truncated_completions=True`: a completion cut at the length limit is masked out of the loss (its key in
+    the step files has no completion token), yet its rollout holds the ids generated and the sampler's and trainer's
+    log-prob of each, and a replay serves them again: identical at every step."""
+    a, _ = recorded(tiny_model, tmp_path / "a", functools.partial(GRPOCoreTrainer, record_sampler=True), max_steps=2,
+                    mask_truncated_completions=True)
+    rows = read_rollouts(a)[1]
+    cut = [r for r in rows if len(r["completion_ids"]) == 8 and r["completion_ids"][-1] != 1]
+    assert cut and all(len(r["trainer_logps"]) == len(r["sampler_logps"]) == 8 for r in cut)
+    df, _ = read_training_run(a)
+    tokens = df[(df["field"] == "per_sequence_active_tokens") & (df["step"] == 1)]
+    assert (tokens["value"] == 0).sum() == len(cut)  # masked out of the loss, keyed as the loss saw them
+    assert set(tokens["sequence"]) == {r["sequence"] for r in rows}
+    b, _ = recorded(tiny_model, tmp_path / "b", functools.partial(GRPOCoreTrainer, replay_from=str(a)), max_steps=2,
+                    mask_truncated_completions=True)
+    assert harness_diff(a, b).returncode == 0
+
+
 def test_replay_with_another_accumulation_isolates_the_training_numerics(tiny_model, tmp_path):
     """A: 2 micro-batches of 4 a step; B: 1 of 8, replaying A. Every sequence is in both runs at every step (the same
     completions, whatever B's sampler would have drawn), step 1 is identical, and from step 2 on what moved is the

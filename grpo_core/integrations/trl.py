@@ -50,6 +50,16 @@ applies it (`use_vllm` and `vllm_importance_sampling_correction`; vespo: wheneve
 ratio it logs is then TRL's mean over the sequences. So does `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy
 sequence mask, with TRL's `inputs["sampling_per_token_logps"]` when vLLM gives them, else the old log-probs).
 
+The whole run (`grpo_core.integrations.trl_run`, `grpo_core.rollouts`, README "Verify your training run"): with
+`record_dir` each generation's rollout (ids, rewards, the start of each completion's text) goes beside the step files,
+and every file carries the run's description (the configuration that changes numbers, the model's config and weights
+at step 0, the tokenizer, the prompts, the versions). `reproducible=True` sets what two runs of one command need to be
+identical on one machine (`grpo_core.reproducible`; `full_determinism=True` too). `replay_from=` trains on a recorded
+run's completions and rewards instead of sampling. `record_layers=True` digests the embedding's, each decoder layer's
+and the final norm's output rows per sequence. `record_sampler=True` records the sampler's log-prob of each sampled
+token beside the trainer's under the sampling weights. Recording and replay refuse tools, `rollout_func` and
+environments; replay refuses vLLM; `record_sampler` refuses transformers' continuous batching.
+
 Not supported, refused with a `ValueError` naming the argument: `delta` with cispo, sapo or vespo (TRL ignores it
 there: leave it None). The trainer also refuses a loss term of its own (a MoE router loss), `top_entropy_quantile`
 below 1 on more than one process, logits that the model soft-caps or scales, and vision inputs.
@@ -58,6 +68,7 @@ below 1 on more than one process, logits that the model soft-caps or scales, and
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import numpy as np
@@ -66,7 +77,7 @@ import torch
 from ..digest import module_digests
 from ..linear import linear_grpo_loss, linear_logprobs
 from ..pending import raise_pending
-from ..recorder import TrainingRecorder
+from ..recorder import TrainingRecorder, key_of
 from ..reproducible import make_reproducible
 from ..result import GRPOLossResult
 from ..rollouts import rng_states, set_rng_states
@@ -288,9 +299,14 @@ def _grpo_core_trainer() -> type:
             self._grpo_core_generation: dict[str, Any] = {}  # what the generation in progress gave
             if record_dir is None and replay_from is None:
                 return
+            if replay_from is not None and not isinstance(replay_from, (str, os.PathLike)):
+                raise ValueError(f"replay_from: expected the folder of a recorded run, got {replay_from!r}")
             if self.tools or self.rollout_func is not None or self.environment_factories is not None:
                 raise ValueError("record_dir / replay_from: expected a trainer that samples with its model (no tools, "
                                  "rollout_func or environments: their completions are not the sampler's alone)")
+            if record_sampler and self.use_transformers_continuous_batching:
+                raise ValueError("record_sampler: expected generate's own batches, got use_transformers_continuous_"
+                                 "batching=True (its paged batches do not keep a sequence's row from step to step)")
             description = trl_run.run_description(self, self.grpo_core_reproducible)
             if replay_from is not None:
                 if self.use_vllm:
@@ -418,21 +434,25 @@ def _grpo_core_trainer() -> type:
                 rng = self.grpo_core_replay.rng(step, self.accelerator.process_index, self.accelerator.num_processes)
                 if rng is not None:
                     set_rng_states(rng, device)
+                completion_ids = [r["completion_ids"] for r in rows]
                 self._grpo_core_generation = {"sampler_logps": (
                     None if rows[0]["sampler_logps"] is None else [r["sampler_logps"] for r in rows]),
-                    "rng": rng_states(device)}
-                return [r["completion_ids"] for r in rows], None
+                    "rng": rng_states(device), "ids": ([list(p) for p in prompt_ids], completion_ids)}
+                return completion_ids, None
             sampler = None
             if self.grpo_core_record_sampler and not self.use_vllm:
-                sampler = trl_run.SamplerLogps(self.accelerator.unwrap_model(self.model), self.temperature)
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                sampler = trl_run.SamplerLogps(unwrapped.base_model.model if is_peft_model(unwrapped) else unwrapped,
+                                               self.temperature)
             with sampler.capture() if sampler is not None else contextlib.nullcontext():
                 completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                                          num_generations, *args, **kwargs)
             if logprobs is not None:  # vLLM's
-                got = [np.asarray(lp, dtype=np.float32) for lp in logprobs]
+                got = [np.asarray([np.nan if x is None else x for x in lp], dtype=np.float32) for lp in logprobs]
             else:
                 got = None if sampler is None else sampler.of(completion_ids)
-            self._grpo_core_generation = {"sampler_logps": got, "rng": rng_states(device)}
+            self._grpo_core_generation = {"sampler_logps": got, "rng": rng_states(device),
+                                          "ids": ([list(p) for p in prompt_ids], completion_ids)}
             return completion_ids, logprobs
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -454,9 +474,11 @@ def _grpo_core_trainer() -> type:
             if self.grpo_core_recorder is None or not self.model.training:
                 return out
             g = self._grpo_core_generation
-            prompt_mask, completion_mask = out["prompt_mask"].bool(), out["completion_mask"].bool()
-            prompts = [p[m].tolist() for p, m in zip(out["prompt_ids"].cpu(), prompt_mask.cpu())]
-            completions = [c[m].tolist() for c, m in zip(out["completion_ids"].cpu(), completion_mask.cpu())]
+            # keyed by the ids the loss sees (a truncated completion masked out has none); the generated ids kept
+            prompt_mask, completion_mask = out["prompt_mask"].bool().cpu(), out["completion_mask"].bool().cpu()
+            masked = [(p[m].tolist(), c[mc].tolist()) for p, m, c, mc in
+                      zip(out["prompt_ids"].cpu(), prompt_mask, out["completion_ids"].cpu(), completion_mask)]
+            prompts, completions = g.get("ids") or ([p for p, _ in masked], [c for _, c in masked])
             lo = self.accelerator.process_index * len(completions)
             trainer = None
             if self.grpo_core_record_sampler:
@@ -467,11 +489,11 @@ def _grpo_core_trainer() -> type:
                             self.model, torch.cat([out["prompt_ids"], out["completion_ids"]], 1),
                             torch.cat([out["prompt_mask"], out["completion_mask"]], 1),
                             out["completion_ids"].size(1), self.args.per_device_train_batch_size)
-                trainer = [t[m].numpy() for t, m in zip(trainer_logps.float().cpu(), completion_mask.cpu())]
+                trainer = [t[:len(c)].numpy() for t, c in zip(trainer_logps.float().cpu(), completions)]
                 self._log_sampler_difference(g.get("sampler_logps"), trainer)
             self.grpo_core_recorder.record_rollout(
                 step=self.state.global_step + 1, positions=list(range(lo, lo + len(completions))), prompt_ids=prompts,
-                completion_ids=completions,
+                completion_ids=completions, keys=[key_of(p, c) for p, c in masked],
                 rewards=g["rewards"][lo:lo + len(completions)].float().cpu().numpy(),
                 sampler_logps=g.get("sampler_logps"), trainer_logps=trainer,
                 texts=self._tokenizer.batch_decode(completions, skip_special_tokens=True),
@@ -482,10 +504,11 @@ def _grpo_core_trainer() -> type:
         def _log_sampler_difference(self, sampler: list | None, trainer: list) -> None:
             """TRL's `sampling/sampling_logp_difference/{mean,max}` (|trainer - sampler| over the completion tokens
             of all processes)."""
-            if sampler is None:
+            if sampler is None or (self.use_vllm and self.vllm_importance_sampling_correction):  # TRL logs it then
                 return
             d = np.abs(np.concatenate(trainer or [np.zeros(0)]).astype(np.float64)
                        - np.concatenate(sampler or [np.zeros(0)]).astype(np.float64))
+            d = d[~np.isnan(d)]
             stats = torch.tensor([d.sum(), d.size, d.max(initial=0.0)], dtype=torch.float64,
                                  device=self.accelerator.device)
             total = self.accelerator.gather(stats[None]).view(-1, 3)

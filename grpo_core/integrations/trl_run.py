@@ -26,7 +26,8 @@ _NOT_NUMERIC = ("output_dir", "logging_", "log_", "report_to", "run_name", "save
                 "trackio_", "project", "overwrite_output_dir", "resume_from_checkpoint", "dataloader_num_workers",
                 "dataloader_persistent_workers", "dataloader_prefetch_factor", "do_eval", "do_predict", "do_train",
                 "prediction_loss_only", "metric_for_best_model", "load_best_model_at_end", "greater_is_better",
-                "skip_memory_metrics", "include_num_input_tokens_seen", "print_", "num_generations_eval")
+                "skip_memory_metrics", "include_num_input_tokens_seen", "print_", "num_generations_eval", "deepspeed",
+                "vllm_server_")
 # What a replayed run must share with the recorded one (the run's description's keys), and what each is called.
 REPLAY_MUST_MATCH = {"tokenizer_digest": "tokenizer", "model_config": "model", "weights_digest": "weights at step 0",
                      "prompts_digest": "prompt set", "generation_batch_size": "generation batch (all processes)",
@@ -120,7 +121,8 @@ class SamplerLogps:
     """The sampler's log-prob of each token `generate` samples: hooks on the model (its forward's `input_ids` are the
     tokens sampled at the step before) and on its output embeddings (the last position's logits, whose log-softmax at
     `temperature` is kept for one step). The log-probs are those of the whole temperature-scaled distribution, the one
-    the trainer scores: top-k / top-p truncation (which renormalizes over the kept tokens) is not applied to them."""
+    the trainer scores: the rest of what `generate` applies to the logits (top-k, top-p and min-p truncation, which
+    renormalize over the kept tokens; a repetition penalty) is not applied to them."""
 
     def __init__(self, model: torch.nn.Module, temperature: float):
         self.model, self.temperature = model, float(temperature)
