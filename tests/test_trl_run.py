@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,12 @@ def llama(folder: Path, tokenizer_from: str, layers: int = 3, hidden: int = 32) 
 def deep_model(tiny_model, tmp_path_factory) -> str:
     """A 3-layer Llama with `tiny_model`'s tokenizer."""
     return llama(tmp_path_factory.mktemp("deep"), tiny_model)
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_model, tmp_path_factory) -> Path:
+    """A recorded run of 2 steps (one generation) of `tiny_model`, shared: copy it before changing it."""
+    return recorded(tiny_model, tmp_path_factory.mktemp("two_steps"), max_steps=2)[0]
 
 
 @pytest.fixture
@@ -111,8 +118,8 @@ def test_replay_with_another_accumulation_isolates_the_training_numerics(tiny_mo
 
 
 @pytest.mark.parametrize("change", ["model", "prompts", "batch", "steps", "tokenizer", "rewards", "empty"])
-def test_a_replay_folder_that_does_not_fit_is_refused_before_training(tiny_model, tmp_path, change):
-    a, _ = recorded(tiny_model, tmp_path / "a", max_steps=2)
+def test_a_replay_folder_that_does_not_fit_is_refused_before_training(tiny_model, two_steps, tmp_path, change):
+    a = two_steps
     model, options = tiny_model, {}
     if change == "model":
         model = llama(tmp_path / "wide", tiny_model, layers=1, hidden=64)
@@ -153,8 +160,8 @@ def test_a_replay_folder_that_does_not_fit_is_refused_before_training(tiny_model
     assert text.startswith("replay_from: expected") and "\n" not in text and want in text, text
 
 
-def test_a_prompt_that_differs_at_its_place_is_refused(tiny_model, tmp_path):
-    a, _ = recorded(tiny_model, tmp_path / "a", max_steps=2)
+def test_a_prompt_that_differs_at_its_place_is_refused(tiny_model, two_steps, tmp_path):
+    a = shutil.copytree(two_steps, tmp_path / "a")
     rollout = next(Path(a).glob("rank-*/rollout-0000001.parquet"))
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -184,8 +191,7 @@ class PlantInLayer(TrainerCallback):
                 w[0, 0] *= 1 + 2**-10
 
 
-@pytest.mark.parametrize("layer", [0, 2])
-def test_a_change_planted_in_one_layer_is_named_with_its_step(deep_model, tmp_path, layer):
+def test_a_change_planted_in_one_layer_is_named_with_its_step(deep_model, tmp_path, layer=1):
     """One weight of decoder layer k moved before step 2 (a step without a generation: both runs train on the
     same completions): steps before it are identical, and every sequence that moved at step 2 names
     `model.layers.k` as the first module whose output moved (the embedding and the layers before k kept their
@@ -264,8 +270,8 @@ def test_settings_that_differ_name_the_configuration_not_the_paths(tiny_model, t
     assert m["versions"]["trl"] == trl.__version__ and "_name_or_path" not in m["model_config"]
 
 
-def test_runs_of_two_models_and_a_missing_step_file_are_said_first(tiny_model, tmp_path):
-    a, _ = recorded(tiny_model, tmp_path / "a", max_steps=2)
+def test_runs_of_two_models_and_a_missing_step_file_are_said_first(tiny_model, two_steps, tmp_path):
+    a = two_steps
     wide = llama(tmp_path / "wide", tiny_model, layers=1, hidden=64)
     b, _ = recorded(wide, tmp_path / "b", max_steps=2)
     text = harness_diff(a, b).stdout
