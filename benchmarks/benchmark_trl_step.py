@@ -123,6 +123,8 @@ def parse_args() -> argparse.Namespace:
                                                                "ours_rec (process-wide: trainers after it run so too)")
     p.add_argument("--record-layers", action="store_true", help="ours_rec with record_layers=True")
     p.add_argument("--record-sampler", action="store_true", help="ours_rec with record_sampler=True")
+    p.add_argument("--exact-on-policy", action="store_true", help="GRPOCoreTrainer(exact_on_policy=True) for ours and "
+                                                                  "ours_rec")
     p.add_argument("--replay-from", help="ours and ours_rec replay this recorded run (a folder per model under it)")
     p.add_argument("--out", help=f"Parquet table the rows append to (default {DEFAULTS['out']}; --tiny: "
                                  f"{TINY['out']})")
@@ -342,6 +344,7 @@ def run(kind: str, model: str, path: Path, args, cuda: bool) -> tuple[list[dict]
                  "record_sampler": args.record_sampler}
     if kind != "trl":
         extra["reproducible"] = args.reproducible
+        extra["exact_on_policy"] = args.exact_on_policy
         if args.replay_from is not None:
             extra["replay_from"] = str(Path(args.replay_from) / model)
     rng = random.Random(args.seed)
@@ -468,7 +471,8 @@ def main() -> None:
                       prompt_length=args.prompt_length, beta=args.beta, seed=args.seed, dtype="bf16",
                       gradient_checkpointing=not args.no_gradient_checkpointing, recorded="",
                       reproducible=args.reproducible, record_layers=args.record_layers,
-                      record_sampler=args.record_sampler, replay_from=args.replay_from or "")
+                      record_sampler=args.record_sampler, replay_from=args.replay_from or "",
+                      exact_on_policy=args.exact_on_policy)
     print(f"each run: {args.steps} optimizer steps of {args.grad_accum} x {args.per_device} completions; a generation "
           f"of {args.prompts} x {args.num_generations} completions of {args.completion_length} tokens (prompts of "
           f"{args.prompt_length}) every {args.steps_per_generation * args.num_iterations // args.grad_accum} steps",

@@ -57,8 +57,11 @@ at step 0, the tokenizer, the prompts, the versions). `reproducible=True` sets w
 identical on one machine (`grpo_core.reproducible`; `full_determinism=True` too). `replay_from=` trains on a recorded
 run's completions and rewards instead of sampling. `record_layers=True` digests the embedding's, each decoder layer's
 and the final norm's output rows per sequence. `record_sampler=True` records the sampler's log-prob of each sampled
-token beside the trainer's under the sampling weights. Recording and replay refuse tools, `rollout_func` and
-environments; replay refuses vLLM; `record_sampler` refuses transformers' continuous batching.
+token beside the trainer's under the sampling weights. `exact_on_policy=True` (`grpo_core.exact`) samples and trains
+under the mode in which the sampler's log-probs are the trainer's bit for bit, the sampler keyed by (generation step,
+place in the generation batch) and seeded by `GRPOConfig.seed`; it refuses vLLM, continuous batching, `rollout_func`
+and sampling settings that change the distribution (top-k, top-p, ...). Recording and replay refuse tools,
+`rollout_func` and environments; replay refuses vLLM; `record_sampler` refuses transformers' continuous batching.
 
 Not supported, refused with a `ValueError` naming the argument: `delta` with cispo, sapo or vespo (TRL ignores it
 there: leave it None). The trainer also refuses a loss term of its own (a MoE router loss), `top_entropy_quantile`
@@ -75,6 +78,7 @@ import numpy as np
 import torch
 
 from ..digest import module_digests
+from ..exact import ExactOnPolicy, check_generation
 from ..linear import linear_grpo_loss, linear_logprobs
 from ..pending import raise_pending
 from ..recorder import TrainingRecorder, key_of
@@ -251,9 +255,9 @@ def _grpo_core_trainer() -> type:
 
         def __init__(self, *args: Any, record_dir: str | None = None, reproducible: bool = False,
                      replay_from: str | None = None, record_layers: bool = False, record_sampler: bool = False,
-                     **kwargs: Any):
+                     exact_on_policy: bool = False, **kwargs: Any):
             for name, value in (("reproducible", reproducible), ("record_layers", record_layers),
-                                ("record_sampler", record_sampler)):
+                                ("record_sampler", record_sampler), ("exact_on_policy", exact_on_policy)):
                 if not isinstance(value, bool):
                     raise ValueError(f"{name}: expected True or False, got {value!r}")
             for name, value in (("record_layers", record_layers), ("record_sampler", record_sampler)):
@@ -297,6 +301,15 @@ def _grpo_core_trainer() -> type:
             self.grpo_core_record_sampler = record_sampler
             self.grpo_core_layers = None
             self._grpo_core_generation: dict[str, Any] = {}  # what the generation in progress gave
+            self.grpo_core_exact = None
+            if exact_on_policy:
+                if self.use_vllm or self.use_transformers_continuous_batching or self.rollout_func is not None:
+                    raise ValueError("exact_on_policy: expected sampling by the model's own generate (no vLLM, "
+                                     "continuous batching or rollout_func: their kernels are not the trainer's)")
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                self.grpo_core_exact = ExactOnPolicy(unwrapped, seed=a.seed, fp32_head=a.cast_lm_head_to_fp32)
+                check_generation(self.generation_config)
+                self.grpo_core_exact.install()
             if record_dir is None and replay_from is None:
                 return
             if replay_from is not None and not isinstance(replay_from, (str, os.PathLike)):
@@ -424,10 +437,13 @@ def _grpo_core_trainer() -> type:
             """TRL's sampling; with `replay_from`, the recorded run's completions at this batch's places instead (its
             generators restored to their state after that generation); with `record_sampler`, the sampler's
             log-probs of what `generate` sampled."""
+            step, device = self.state.global_step + 1, self.accelerator.device
+            if self.grpo_core_exact is not None:  # keyed by (generation step, place in the generation batch)
+                lo = self.accelerator.process_index * len(prompt_ids)
+                self.grpo_core_exact.keys = torch.arange(lo, lo + len(prompt_ids), device=device) + (step << 32)
             if not self.model.training or (self.grpo_core_recorder is None and self.grpo_core_replay is None):
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args,
                                                      **kwargs)
-            step, device = self.state.global_step + 1, self.accelerator.device
             if self.grpo_core_replay is not None:
                 lo = self.accelerator.process_index * len(prompt_ids)
                 rows = self.grpo_core_replay.rows(step, list(range(lo, lo + len(prompt_ids))), prompt_ids)
@@ -440,7 +456,7 @@ def _grpo_core_trainer() -> type:
                     "rng": rng_states(device), "ids": ([list(p) for p in prompt_ids], completion_ids)}
                 return completion_ids, None
             sampler = None
-            if self.grpo_core_record_sampler and not self.use_vllm:
+            if self.grpo_core_record_sampler and not self.use_vllm and self.grpo_core_exact is None:
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 sampler = trl_run.SamplerLogps(unwrapped.base_model.model if is_peft_model(unwrapped) else unwrapped,
                                                self.temperature)
@@ -449,6 +465,9 @@ def _grpo_core_trainer() -> type:
                                                                          num_generations, *args, **kwargs)
             if logprobs is not None:  # vLLM's
                 got = [np.asarray([np.nan if x is None else x for x in lp], dtype=np.float32) for lp in logprobs]
+            elif self.grpo_core_exact is not None and self.grpo_core_record_sampler:
+                table = self.grpo_core_exact.logps.cpu().numpy()
+                got = [row[:len(c)] for row, c in zip(table, completion_ids)]
             else:
                 got = None if sampler is None else sampler.of(completion_ids)
             self._grpo_core_generation = {"sampler_logps": got, "rng": rng_states(device),
