@@ -10,8 +10,8 @@ rows) give a token's log-prob by other arithmetic: other matmul kernels for othe
 number of rows, attention over other key extents. Under the mode every operation of the model gives each token's row
 the same bits whatever the rows beside it, the number of keys before and after it, and the cache:
 - every `nn.Linear`: one fixed order of adds per output element (`linear.py`'s kernel sets: on CUDA the
-  fixed-configuration Triton matmul, on the CPU the exact fp32 products in a `pair_sum` tree), rounded once to the
-  layer's dtype;
+  fixed-configuration Triton matmul, on the CPU fp32 products (exact for bf16 and fp16 inputs) in a `pair_sum`
+  tree), rounded once to the layer's dtype;
 - RMSNorm: the mean of squares by `pair_sum`, the reciprocal square root by `canonical.sqrt` and IEEE division;
 - SiLU: `canonical.sigmoid` (IEEE `+ - * /` only: no vector-width or tail-loop code path can change a bit);
 - rotary embeddings: one table of cos / sin over every position of the model, computed once and indexed;
@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from . import canonical
+from .contract import check_temperature, inverse_temperature
 from .linear import TorchKernels, TritonKernels, linear_logprobs
 
 __all__ = ["ExactOnPolicy", "SUPPORTED_MODEL_TYPES", "check_generation", "exact_on_policy"]
@@ -68,7 +69,9 @@ _NEUTRAL = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "typ
             "min_length": (None, 0), "min_new_tokens": (None, 0), "exponential_decay_length_penalty": (None,),
             "guidance_scale": (None, 1.0), "num_beams": (None, 1), "watermarking_config": (None,),
             "diversity_penalty": (None, 0.0), "num_beam_groups": (None, 1), "penalty_alpha": (None,),
-            "prompt_lookup_num_tokens": (None,), "assistant_model": (None,)}
+            "prompt_lookup_num_tokens": (None,), "assistant_model": (None,), "assistant_early_exit": (None,),
+            "top_h": (None,), "custom_generate": (None,), "num_return_sequences": (None, 1),
+            "output_scores": (None, False), "output_logits": (None, False)}
 
 
 class _Exact(torch.autograd.Function):
@@ -115,7 +118,8 @@ def _rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     def fn(x, w):
         h = x.float()
-        r = 1.0 / canonical.sqrt(canonical.pair_sum(h * h) / h.shape[-1] + eps)
+        mean = canonical.pair_sum(h * h) / canonical.fp32(h.shape[-1], h)  # tensor divisors: IEEE division
+        r = torch.ones_like(mean) / canonical.sqrt(mean + canonical.fp32(eps, h))
         return w * (h * r.unsqueeze(-1)).to(x.dtype)
 
     def ref(x, w):  # transformers' RMSNorm
@@ -231,14 +235,36 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _leading_zeros(x: torch.Tensor) -> torch.Tensor:
+    """The leading zero bits of int64 values in [0, 2**32) as 32-bit words (32 for 0)."""
+    n = torch.zeros_like(x)
+    for shift in (16, 8, 4, 2, 1):
+        low = x < (1 << (32 - shift))
+        n, x = n + low * shift, torch.where(low, x << shift, x)
+    return n + (x == 0)
+
+
 def gumbel(seed: int, keys: torch.Tensor, index: int, vocab: int) -> torch.Tensor:
-    """fp32 `[B, vocab]` standard Gumbel noise, a function of (seed, each row's int64 key, the token's index, the
-    vocabulary id) alone: integer hashing and the canonical log (the same bits on every device)."""
+    """fp32 `[B, vocab]` standard Gumbel noise `-log(E)`, `E` exponential, a function of (seed, each row's int64 key,
+    the token's index, the vocabulary id) alone: integer hashing, IEEE arithmetic and the canonical log (the same bits
+    on every device). `E = -log(1 - w)` from a uniform `w` with a floating exponent (down to 2**-64: a 24-bit
+    significand and 64 hash bits of exponent), so the noise reaches 44 and a token 40 below the best logit is still
+    drawn at its rate; below 2**-10, `E` is `log1p`'s series."""
     s = _mix(_mix(torch.tensor(seed & _M32, device=keys.device)) ^ ((seed >> 32) & _M32))
-    row = _mix(_mix(_mix(s ^ ((keys >> 32) & _M32)) ^ (keys & _M32)) ^ index)
-    u = _mix(row[:, None] ^ _mix(torch.arange(vocab, device=keys.device)[None]))
-    u = ((u >> 9).float() + 0.5) * 2.0 ** -23  # (0, 1), exact
-    return -canonical.log(-canonical.log(u))
+    row = _mix(_mix(_mix(_mix(s ^ ((keys >> 32) & _M32)) ^ (keys & _M32)) ^ index))
+    h = [_mix(row[:, None] ^ _mix(torch.arange(vocab, device=keys.device)[None] * 3 + lane)) for lane in range(3)]
+    return -canonical.log(_exponential(*h))
+
+
+def _exponential(h0: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
+    """`-log(1 - w)` for the uniform `w` of three 32-bit hashes: `h1`'s (then `h2`'s) leading zeros the exponent,
+    `h0` the significand."""
+    k = _leading_zeros(h1)
+    k = k + torch.where(k == 32, _leading_zeros(h2), 0)  # w in [2**-(k+1), 2**-k)
+    w = (1.0 + (h0 >> 9).float() * 2.0 ** -23) * canonical._pow2(-(k + 1).to(torch.int32))
+    one = torch.ones_like(w)
+    return torch.where(w < 2.0 ** -10, w + w * w / (one + one) + w * w * w / (one + one + one),
+                       -canonical.log(one - w))
 
 
 def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -271,7 +297,7 @@ class _Sampler:
         weight, bias = self.mode.head()
         if self.mode.fp32_head:
             h = h.float()
-        inv = canonical.fp32(1.0 / self.temperature, scores)
+        inv = canonical.fp32(inverse_temperature(self.temperature), scores)
         z = _kernels(h.device).logits(h[:, 0], weight, bias) * inv  # the trainer's distribution, fp32
         index = input_ids.shape[1] - self.start
         if self.sample:
@@ -287,7 +313,8 @@ class ExactOnPolicy:
 
     `seed`: the sampler's; `fp32_head`: the LM head in fp32 (TRL's `cast_lm_head_to_fp32`); `keys`: set before a
     `generate` call, the rows' int64 keys for that call only (default: `prompt_keys`). After `generate`: `logps`, the
-    sampled tokens' log-probs `[B, new tokens]` fp32 (a finished row's entries past its end are those of its padding)."""
+    sampled tokens' log-probs `[B, new tokens]` fp32 (past a finished row's end: of the tokens drawn there and replaced
+    by padding). One mode per model at a time."""
 
     def __init__(self, model: torch.nn.Module, seed: int = 0, fp32_head: bool = False):
         self.model, self.seed, self.fp32_head = model, int(seed), bool(fp32_head)
@@ -305,13 +332,20 @@ class ExactOnPolicy:
     def install(self) -> ExactOnPolicy:
         if self._undo:
             return self
+        if getattr(self.model, "_grpo_core_exact", None) is not None:
+            raise ValueError("model: expected a model without an exact mode, got one that already has one (one mode "
+                             "per model at a time)")
         _register()
+        self.model._grpo_core_exact = self
+        self._undo.append(lambda: self.model.__dict__.pop("_grpo_core_exact", None))
         for module, fn in self.plan:
+            before = module.__dict__.get("forward")  # an instance's own forward (TRL's fp32 LM head) comes back
             module.forward = types.MethodType(fn, module)
             if fn is _rotary:
                 module._grpo_core_table = {}
-            self._undo.append(lambda m=module: (m.__dict__.pop("forward", None),
-                                                m.__dict__.pop("_grpo_core_table", None)))
+            self._undo.append(lambda m=module, f=before: (
+                m.__dict__.pop("forward", None) if f is None else setattr(m, "forward", f),
+                m.__dict__.pop("_grpo_core_table", None)))
         config, model = self.model.config, self.model
         before = config._attn_implementation
         model.set_attn_implementation(ATTENTION)
@@ -372,6 +406,9 @@ def _generate(mode: ExactOnPolicy, generate):
     from transformers import LogitsProcessorList
 
     def wrapped(self, *args, **kwargs):
+        keys, mode.keys = mode.keys, None  # for this call only, refused or not
+        if len(args) > 1:
+            raise ValueError("generate: under the exact mode pass the prompts' ids alone by position, the rest by name")
         config = copy.deepcopy(kwargs.pop("generation_config", None) or self.generation_config)
         fields = {k: kwargs.pop(k) for k in list(kwargs) if hasattr(config, k) and not isinstance(
             kwargs[k], torch.Tensor)}
@@ -381,16 +418,26 @@ def _generate(mode: ExactOnPolicy, generate):
         if kwargs.get("logits_processor") or kwargs.get("prefix_allowed_tokens_fn") is not None:
             raise ValueError("logits_processor: the exact mode samples the whole temperature-scaled distribution; "
                              "expected none, got a processor")
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            raise ValueError("input_ids: the exact mode's generate needs the prompts' ids")
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"input_ids: the exact mode's generate needs the prompts' ids [B, T], got "
+                             f"{type(ids).__name__}")
         sample = bool(config.do_sample)
-        temperature = float(config.temperature if sample and config.temperature is not None else 1.0)
-        keys = mode.keys if mode.keys is not None else prompt_keys(ids, kwargs.get("attention_mask"))
-        if keys.shape != (ids.shape[0],) or keys.dtype != torch.int64:
-            raise ValueError(f"keys: expected int64 [{ids.shape[0]}] (one per row), got {keys.dtype} "
-                             f"{list(keys.shape)}")
-        mode.keys = None
+        temperature = check_temperature(config.temperature if sample and config.temperature is not None else 1.0)
+        mask = kwargs.get("attention_mask")
+        pad = config.pad_token_id
+        if mask is None and pad is not None and (ids == pad).any() and pad not in _as_list(config.eos_token_id):
+            mask = kwargs["attention_mask"] = (ids != pad).long()  # as generate infers it
+        keys = keys if keys is not None else prompt_keys(ids, mask)
+        if not isinstance(keys, torch.Tensor) or keys.shape != (ids.shape[0],) or keys.dtype != torch.int64:
+            raise ValueError(f"keys: expected an int64 tensor [{ids.shape[0]}] (one per row), got "
+                             f"{getattr(keys, 'dtype', type(keys).__name__)} {list(getattr(keys, 'shape', []))}")
+        prompt = int(ids.shape[1] if mask is None else mask.sum(-1).max())
+        new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - ids.shape[1]
+        if prompt + new - 1 > self.config.max_position_embeddings:  # the last new token is never fed back
+            raise ValueError(f"max_new_tokens: a prompt of {prompt} tokens and {new} new ones need "
+                             f"{prompt + new - 1} positions, more than the model's max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
         sampler = LogitsProcessorList([_Sampler(mode, keys.to(ids.device), ids.shape[1], temperature, sample)])
         config.do_sample, config.temperature, config.top_k, config.top_p = False, 1.0, None, 1.0
         try:
@@ -404,7 +451,8 @@ def _generate(mode: ExactOnPolicy, generate):
     return wrapped
 
 
-_LEAVES = (torch.nn.Linear, torch.nn.Embedding)
+def _as_list(x: Any) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def check_model(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
@@ -428,6 +476,9 @@ def check_model(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     plan = []
     for name, m in model.named_modules():
         cls = type(m).__name__
+        if hasattr(m, "_hf_hook"):
+            raise ValueError(f"{name or 'model'}: the exact mode needs the model's modules without accelerate hooks "
+                             f"(device_map offloading), got a {type(m._hf_hook).__name__}")
         if isinstance(m, torch.nn.Linear) and type(m) is torch.nn.Linear:
             plan.append((m, _linear))
         elif type(m) is torch.nn.Embedding or isinstance(m, (torch.nn.ModuleList,)) or m is model:

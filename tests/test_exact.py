@@ -136,16 +136,21 @@ def test_keys_seed_and_greedy():
 
 
 def test_the_mode_leaves_the_model_as_it_was():
-    """After the block the model's forward gives its own bits again and `generate` is transformers'."""
+    """After the block the model's forward gives its own bits again, `generate` is transformers' and a module's own
+    forward (TRL's fp32 LM head sets one) is back; a second mode on the model is refused while the first is on."""
     model = tiny("qwen2", torch.float32)
     ids, mask = prompts(4)
+    own = model.lm_head.forward = functools.partial(torch.nn.Linear.forward, model.lm_head)
     before = model(input_ids=ids, attention_mask=mask).logits
     with exact_on_policy(model):
+        with pytest.raises(ValueError, match="model: expected a model without an exact mode"):
+            exact_on_policy(model).__enter__()
         inside = model(input_ids=ids, attention_mask=mask).logits
         assert "generate" in model.__dict__ and model.config._attn_implementation == "grpo_core_exact"
     after = model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(bits(before), bits(after)) and not torch.equal(bits(before), bits(inside))
-    assert "generate" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
+    assert "generate" not in model.__dict__ and model.lm_head.forward is own
+    assert not any("forward" in m.__dict__ for m in model.modules() if m is not model.lm_head)
 
 
 def test_training_under_the_mode():
@@ -199,12 +204,37 @@ def test_what_the_mode_does_not_cover_is_refused_by_name():
         m = model()
         with exact_on_policy(m):
             m.generate(input_ids=prompts(2)[0], max_new_tokens=2, do_sample=True, top_k=50)
+    m = model()
+    ids, mask = prompts(2)
+    with exact_on_policy(m) as mode:
+        for kw, match in (({"num_return_sequences": 2}, "num_return_sequences: .* got 2"),
+                          ({"temperature": 0.0}, "temperature: expected"),
+                          ({"max_new_tokens": 130}, "max_new_tokens: a prompt of 8 tokens and 130 new ones need "
+                                                    "137 positions, more than the model's max_position_embeddings"),
+                          ({}, r"keys: expected an int64 tensor \[2\] \(one per row\), got list")):
+            mode.keys = [1, 2] if not kw else torch.tensor([7, 7], device=DEVICE)
+            with pytest.raises(ValueError, match=match):
+                m.generate(input_ids=ids, attention_mask=mask, do_sample=True, **{"max_new_tokens": 2, **kw})
+            assert mode.keys is None  # a refused call's keys are not the next call's
+
+
+def test_the_noise_is_gumbel_to_its_tails():
+    """The noise's mean and variance are the standard Gumbel's (Euler's constant, pi^2 / 6), and the exponential
+    under it takes a uniform with a floating exponent: the smallest hashes give noise past 44 (a 23-bit uniform stops
+    at 16.6, so that a token more than about 17 below the best logit would never be drawn)."""
+    from grpo_core.exact import _exponential, gumbel
+    g = gumbel(3, torch.arange(64, device=DEVICE), 5, 1 << 14).double()
+    assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - 1.6449) < 0.03
+    zero = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    assert -torch.log(_exponential(zero, zero, zero)).item() > 44.0
+    assert 0.69 < _exponential(zero, zero + (1 << 31), zero).item() < 16.7  # w in [1/2, 1)
 
 
 def test_the_trainer_exactly_on_policy(tmp_path, tmp_path_factory):
-    """`GRPOCoreTrainer(exact_on_policy=True)` (4 steps, two generations, the tests' TRL run): every completion
-    token's sampler log-prob has the trainer's bits, the logged difference is 0.0, `harness diff` says 0 tokens with
-    other bits and a KL of 0; a sampling setting the mode cannot honour is refused before training."""
+    """`GRPOCoreTrainer(exact_on_policy=True)` (4 steps, two generations, the tests' TRL run, beta 0.04): every
+    completion token's sampler log-prob has the trainer's bits, the logged difference is 0.0, `harness diff` says 0
+    tokens with other bits and a KL of 0; the reference model (identical weights at step 1) gives the policy's bits
+    too; a sampling setting the mode cannot honour is refused before training."""
     pytest.importorskip("trl")
     from test_trl import tiny_model
     from test_trl_record import harness_diff, recorded
@@ -214,8 +244,18 @@ def test_the_trainer_exactly_on_policy(tmp_path, tmp_path_factory):
     from harness.training import sampler_mismatch
 
     path = tiny_model.__wrapped__(tmp_path_factory)
+    seen = []
+
+    class Watch(GRPOCoreTrainer):
+        def _grpo_core_loss(self, unwrapped, inputs, num_items, entropy_coef):
+            if self.state.global_step == 0:
+                mask = inputs["completion_mask"].bool()
+                seen.append((inputs["ref_per_token_logps"][mask], inputs["old_per_token_logps"][mask]))
+            return super()._grpo_core_loss(unwrapped, inputs, num_items, entropy_coef)
+
     exact = functools.partial(GRPOCoreTrainer, exact_on_policy=True, record_sampler=True)
-    a, logs = recorded(path, tmp_path / "a", exact)
+    a, logs = recorded(path, tmp_path / "a", functools.partial(Watch, exact_on_policy=True, record_sampler=True))
+    assert len(seen) == 2 and all(torch.equal(bits(ref), bits(old)) for ref, old in seen)
     st = sampler_mismatch(read_rollouts(a))["steps"]
     assert st["tokens"].sum() >= 40 and st["other_bits"].sum() == 0 and st["max_abs_delta"].max() == 0.0
     assert (st["k3_kl"] == 0.0).all() and (st["min_ratio"] == 1.0).all() and (st["max_ratio"] == 1.0).all()

@@ -303,13 +303,20 @@ def _grpo_core_trainer() -> type:
             self._grpo_core_generation: dict[str, Any] = {}  # what the generation in progress gave
             self.grpo_core_exact = None
             if exact_on_policy:
-                if self.use_vllm or self.use_transformers_continuous_batching or self.rollout_func is not None:
-                    raise ValueError("exact_on_policy: expected sampling by the model's own generate (no vLLM, "
-                                     "continuous batching or rollout_func: their kernels are not the trainer's)")
+                if (self.use_vllm or self.use_transformers_continuous_batching or self.rollout_func is not None
+                        or self.tools or self.environment_factories is not None):
+                    raise ValueError("exact_on_policy: expected one sampling turn by the model's own generate (no "
+                                     "vLLM, continuous batching, rollout_func, tools or environments)")
                 unwrapped = self.accelerator.unwrap_model(self.model)
+                if is_peft_model(unwrapped):
+                    raise ValueError("exact_on_policy: expected a model without PEFT adapters (the mode covers plain "
+                                     "linear layers), got a PEFT model")
                 self.grpo_core_exact = ExactOnPolicy(unwrapped, seed=a.seed, fp32_head=a.cast_lm_head_to_fp32)
                 check_generation(self.generation_config)
                 self.grpo_core_exact.install()
+                if self.ref_model is not None:  # the reference's log-probs by the same arithmetic as the policy's
+                    ExactOnPolicy(self.accelerator.unwrap_model(self.ref_model), seed=a.seed,
+                                  fp32_head=a.cast_lm_head_to_fp32).install()
             if record_dir is None and replay_from is None:
                 return
             if replay_from is not None and not isinstance(replay_from, (str, os.PathLike)):
@@ -438,9 +445,10 @@ def _grpo_core_trainer() -> type:
             generators restored to their state after that generation); with `record_sampler`, the sampler's
             log-probs of what `generate` sampled."""
             step, device = self.state.global_step + 1, self.accelerator.device
-            if self.grpo_core_exact is not None:  # keyed by (generation step, place in the generation batch)
+            if self.grpo_core_exact is not None:  # keyed by (generation step, training or not, place in the batch)
                 lo = self.accelerator.process_index * len(prompt_ids)
-                self.grpo_core_exact.keys = torch.arange(lo, lo + len(prompt_ids), device=device) + (step << 32)
+                high = (step << 1 | (not self.model.training)) << 31
+                self.grpo_core_exact.keys = torch.arange(lo, lo + len(prompt_ids), device=device) + high
             if not self.model.training or (self.grpo_core_recorder is None and self.grpo_core_replay is None):
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args,
                                                      **kwargs)
