@@ -4,16 +4,23 @@ queued, the Parquet file written by a background thread), against the loss op an
 
     python benchmarks/benchmark_recorder.py    # Qwen2.5-0.5B's micro-batch: 8 x 512 tokens, H 896, V 151936
     python benchmarks/benchmark_recorder.py --device cpu --tiny
+    python benchmarks/benchmark_recorder.py --layers 0.5b  # record_layers: the per-layer digests' cost
 
 Each step runs the loss twice, once without the recorder (`op`, `bwd`) and once with it (`record`, `bwd_recorded`),
 each region between device synchronizations; `record_host` is `record`'s return without one. Then `flush` hands the
 step (one recorded call) to the writer without one, and `write` is the time until its file is written (the background
 thread's, off the step's path). Medians over the steps after the first two, in ms; `--profile` adds torch.profiler's
-table of one recorded call and its backward."""
+table of one recorded call and its backward.
+
+`--layers MODEL`: `record_layers`' digests instead (`digest.module_digests` on the embedding, every decoder layer and
+the final norm of benchmark_trl_step.py's MODEL shape, random bf16 weights): the backbone's forward and backward on a
+micro-batch of 8 x 256 tokens (128 of prompt and 128 of completion, the whole-run checks' shape), alternately without
+(`plain`) and with the digests (`digests`), and the digests' kernels alone on the same outputs (`digest_only`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -30,7 +37,10 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="2 x 16 tokens, H 32, V 100")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--layers", metavar="MODEL", help="time record_layers' digests at a benchmark_trl_step.py shape")
     args = p.parse_args()
+    if args.layers:
+        return layers(args)
     B, T, H, V, P = (2, 16, 32, 100, 4) if args.tiny else (8, 512, 896, 151936, 128)
     dev = torch.device(args.device)
 
@@ -103,6 +113,67 @@ def main() -> None:
             sync()
         key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=50))
+
+
+def layers(args) -> None:
+    from benchmark_trl_step import MODELS
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_core.digest import RowDigests, module_digests
+    from grpo_core.integrations.trl_run import layer_modules
+
+    if args.layers not in MODELS:
+        raise SystemExit(f"--layers: expected one of {', '.join(MODELS)}, got {args.layers!r}")
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with dev:
+        model = Qwen2ForCausalLM(Qwen2Config(**MODELS[args.layers], use_sliding_window=False)).to(dtype)
+    B, T = (8, 256) if not args.tiny else (2, 16)
+    ids = torch.randint(3, model.config.vocab_size, (B, T), device=dev)
+    mask = torch.ones(B, T, dtype=torch.long, device=dev)
+    mask[::2, -40:] = 0  # completions that ended early
+    modules = layer_modules(model)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(digested: bool) -> float:
+        sync()
+        t0 = time.perf_counter()
+        with module_digests(modules, mask) if digested else contextlib.nullcontext():
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden.float().square().mean().backward()
+        sync()
+        return time.perf_counter() - t0
+
+    outs = []
+    handles = [m.register_forward_hook(lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o))
+               for m in modules.values()]
+    with torch.no_grad():
+        model.model(input_ids=ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    ms = {k: [] for k in ("plain", "digests", "digest_only")}
+    for i in range(args.steps + 2):
+        for digested in (False, True) if i % 2 else (True, False):
+            t = step(digested)
+            if i >= 2:
+                ms["digests" if digested else "plain"].append(t)
+        model.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        rows = RowDigests(mask, dev)
+        for o in outs:
+            rows(o)
+        sync()
+        if i >= 2:
+            ms["digest_only"].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in ms.items()}
+    print(f"{args.layers} backbone, {B} x {T} tokens, {len(modules)} modules digested, {dtype}, {dev}: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in med.items()) + f" ms (medians of {args.steps}); digests - plain "
+          f"{med['digests'] - med['plain']:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,11 @@ def test_recorder_benchmark_tiny(tmp_path):
     values = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms (medians)").split(", "))
     assert set(values) == {"op", "bwd", "record_host", "record", "bwd_recorded", "flush", "write"}
     assert all(float(v) > 0 for v in values.values())
+
+
+def test_layer_digests_benchmark_tiny(tmp_path):
+    line = run_benchmark("benchmark_recorder.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "2", "--layers",
+                         "tiny").strip().splitlines()[-1]
+    assert line.startswith("tiny backbone, 2 x 16 tokens, 4 modules digested")
+    values = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].split(" ms (medians")[0].split(", "))
+    assert set(values) == {"plain", "digests", "digest_only"} and all(float(v) > 0 for v in values.values())
