@@ -15,7 +15,7 @@ the same bits whatever the rows beside it, the number of keys before and after i
 - RMSNorm: the mean of squares by `pair_sum`, the reciprocal square root by `canonical.sqrt` and IEEE division;
 - SiLU: `canonical.sigmoid` (IEEE `+ - * /` only: no vector-width or tail-loop code path can change a bit);
 - rotary embeddings: one table of cos / sin over every position of the model, computed once and indexed;
-- attention (registered through transformers' attention interface): each (query, key) score a `pair_sum` of exact
+- attention (registered through transformers' attention interface): each (query, key) score a `pair_sum` of fp32
   products, the softmax with the row's exact max, `canonical.exp` and `pair_sum`s over the keys indexed by their
   position in the sequence (left padding skipped), so that masked keys (padding, the future, a longer cache) add exact
   zeros to a tree whose shape does not depend on them;
