@@ -31,6 +31,11 @@ from grpo_core.linear import linear_grpo_loss
 from grpo_core.recorder import TrainingRecorder
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -43,10 +48,6 @@ def main() -> None:
         return layers(args)
     B, T, H, V, P = (2, 16, 32, 100, 4) if args.tiny else (8, 512, 896, 151936, 128)
     dev = torch.device(args.device)
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
 
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # bf16: TRL's default on the GPU
@@ -69,19 +70,19 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         for micro_batch, recorded in enumerate((False, True)):
             h = torch.randn(B, T, H, device=dev, generator=g).to(dtype).requires_grad_(True)
-            sync()
+            _sync(dev)
             t0 = time.perf_counter()
             r = loss(h)
-            sync()
+            _sync(dev)
             t1 = time.perf_counter()
             if recorded:
                 record(r, h, step, micro_batch)
                 t_host = time.perf_counter()
-                sync()
+                _sync(dev)
                 t2 = time.perf_counter()
             t3 = time.perf_counter()
             r.loss.backward()
-            sync()
+            _sync(dev)
             t4 = time.perf_counter()
             if step > 2:
                 ms["bwd_recorded" if recorded else "bwd"].append(t4 - t3)
@@ -106,11 +107,11 @@ def main() -> None:
             [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         h = torch.randn(B, T, H, device=dev, generator=g).to(dtype).requires_grad_(True)
         r = loss(h)
-        sync()
+        _sync(dev)
         with torch.profiler.profile(activities=activities) as prof:
             record(r, h, args.steps + 1, 0)
             r.loss.backward()
-            sync()
+            _sync(dev)
         key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=50))
 
@@ -135,17 +136,13 @@ def layers(args) -> None:
     mask[::2, -40:] = 0  # completions that ended early
     modules = layer_modules(model)
 
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
     def step(digested: bool) -> float:
-        sync()
+        _sync(dev)
         t0 = time.perf_counter()
         with module_digests(modules, mask) if digested else contextlib.nullcontext():
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
         hidden.float().square().mean().backward()
-        sync()
+        _sync(dev)
         return time.perf_counter() - t0
 
     outs = []
@@ -162,12 +159,12 @@ def layers(args) -> None:
             if i >= 2:
                 ms["digests" if digested else "plain"].append(t)
         model.zero_grad(set_to_none=True)
-        sync()
+        _sync(dev)
         t0 = time.perf_counter()
         rows = RowDigests(mask, dev)
         for o in outs:
             rows(o)
-        sync()
+        _sync(dev)
         if i >= 2:
             ms["digest_only"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in ms.items()}

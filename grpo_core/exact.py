@@ -54,7 +54,9 @@ import torch.nn.functional as F
 
 from . import canonical
 from .contract import check_temperature, inverse_temperature
-from .linear import TorchKernels, TritonKernels, linear_logprobs
+from .contract import DEFAULT_VOCAB_TILE
+from .linear import _kernels as _kernel_set, linear_logprobs
+from .recorder import key_of
 
 __all__ = ["ExactOnPolicy", "SUPPORTED_MODEL_TYPES", "check_generation", "exact_on_policy"]
 
@@ -101,8 +103,9 @@ def _exact(fn, ref, *args):
     return fn(*args)
 
 
-def _kernels(device: torch.device) -> TorchKernels | TritonKernels:
-    return TritonKernels() if device.type == "cuda" else TorchKernels()
+def _kernels(device: torch.device):
+    """The kernel set `linear_logprobs` takes by default on `device` (its logits are the trainer's)."""
+    return _kernel_set("auto", device, DEFAULT_VOCAB_TILE)
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -276,12 +279,9 @@ def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
         [t for t, m in zip(r, mr) if m] for r, mr in zip(input_ids.tolist(), attention_mask.tolist())]
     seen: dict[tuple, int] = {}
     out = []
-    for r in rows:
-        h = 0x811C9DC5
-        for t in (len(r), *r):
-            h = ((h ^ (t & _M32)) * 0x01000193) & _M32
+    for r in rows:  # the recorder's sequence key (43 of its 64 bits: an int64 >= 0), then the occurrence
         n = seen[tuple(r)] = seen.get(tuple(r), -1) + 1
-        out.append((h << 20) | n)
+        out.append((int(key_of(r, ()), 16) >> 21) << 20 | n)
     return torch.tensor(out, dtype=torch.int64, device=input_ids.device)
 
 

@@ -445,15 +445,14 @@ def _grpo_core_trainer() -> type:
             generators restored to their state after that generation); with `record_sampler`, the sampler's
             log-probs of what `generate` sampled."""
             step, device = self.state.global_step + 1, self.accelerator.device
+            lo = self.accelerator.process_index * len(prompt_ids)  # this process's first place in the batch
             if self.grpo_core_exact is not None:  # keyed by (generation step, training or not, place in the batch)
-                lo = self.accelerator.process_index * len(prompt_ids)
                 high = (step << 1 | (not self.model.training)) << 31
                 self.grpo_core_exact.keys = torch.arange(lo, lo + len(prompt_ids), device=device) + high
             if not self.model.training or (self.grpo_core_recorder is None and self.grpo_core_replay is None):
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args,
                                                      **kwargs)
             if self.grpo_core_replay is not None:
-                lo = self.accelerator.process_index * len(prompt_ids)
                 rows = self.grpo_core_replay.rows(step, list(range(lo, lo + len(prompt_ids))), prompt_ids)
                 rng = self.grpo_core_replay.rng(step, self.accelerator.process_index, self.accelerator.num_processes)
                 if rng is not None:
