@@ -4,6 +4,7 @@ the loss stage's time, peak memory and the logged curves, step by step.
     python benchmarks/benchmark_trl_step.py                          # Qwen2.5-0.5B and 1.5B shapes, both trainers
     python benchmarks/benchmark_trl_step.py --trainers ours,ours_rec --record-dir /tmp/rec   # the recorder's cost
     python benchmarks/benchmark_trl_step.py --tiny                   # a 2-layer model on the CPU, end to end
+    python benchmarks/benchmark_trl_step.py --models 0.5b --steps 4 --profile-dir /tmp/prof   # where the time goes
 
 Nothing is downloaded: each model is a `Qwen2ForCausalLM` built from its config with random weights (seeded), saved
 in bf16 with a WordLevel tokenizer (3 specials, the letters, fillers up to the vocabulary) to a temporary folder that
@@ -36,6 +37,11 @@ Measured per optimizer step (a `TrainerCallback`, synchronized at its begin and 
 - `peak_mib`: `torch.cuda.max_memory_allocated`, reset at the step's begin (models, optimizer states, activations;
   a step with a generation includes the generation's).
 - the logged `loss`, `kl`, `entropy`, clip ratio, `grad_norm` and (steps with a generation) `reward`.
+
+`--profile-dir`: step `--profile-step` of each trainer runs under torch.profiler (its Chrome trace written there), and
+the loss stage's forward is summarized per micro-batch: the host's time in it, the device's span from its first
+kernel to its last, the time no kernel ran in that span, and the kernels that took the most. That step's row is
+slower than the others (the profiler's own cost): profile in a run of its own.
 
 Rows (one per model x trainer x step, with the configuration, the torch settings and the provenance) append to
 `--out` (default `results/trl_step.parquet`). The summary prints medians over the steps without a generation, past
@@ -126,6 +132,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--exact-on-policy", action="store_true", help="GRPOCoreTrainer(exact_on_policy=True) for ours and "
                                                                   "ours_rec")
     p.add_argument("--replay-from", help="ours and ours_rec replay this recorded run (a folder per model under it)")
+    p.add_argument("--profile-dir", help="profile one optimizer step of each trainer (torch.profiler): a Chrome trace "
+                   "per model and trainer in this folder, and the loss stage's GPU time printed")
+    p.add_argument("--profile-step", type=int, default=3, help="the optimizer step --profile-dir profiles (default 3)")
     p.add_argument("--out", help=f"Parquet table the rows append to (default {DEFAULTS['out']}; --tiny: "
                                  f"{TINY['out']})")
     args = p.parse_args()
@@ -202,6 +211,7 @@ class Probe:
 
     def __init__(self, cuda: bool):
         self.cuda, self.in_loss, self.rows, self.digests = cuda, False, [], []
+        self.profiler = self.region = None
         self.marks: dict[str, list] = defaultdict(list)
         self.wall_ms: dict[str, float] = defaultdict(float)
 
@@ -280,6 +290,9 @@ def probed(base: type) -> type:
             finally:
                 self.probe.in_loss = False
             self.probe.mark("loss_fwd_end")
+            if self.probe.region is not None:
+                self.probe.region.__exit__(None, None, None)
+                self.probe.region = None
             loss.register_hook(self.probe.hook("loss_bwd_start"))
             return loss
 
@@ -288,15 +301,18 @@ def probed(base: type) -> type:
 
 
 @contextmanager
-def instrumented(trainer, probe: Probe):
+def instrumented(trainer, probe: Probe, profile: tuple[int, str] | None = None):
     """The backbone's forward hook (loss stage start, and the hidden states' gradient hook), the op marks, the step
-    callback."""
+    callback; `profile`: `(step, trace path)`, that step under torch.profiler with the loss stage's forward marked."""
     import trl.trainer.utils as trl_utils
     from transformers import TrainerCallback
 
     def backbone_done(module, args, output):
         if probe.in_loss:
             probe.mark("loss_fwd_start")
+            if probe.profiler is not None:
+                probe.region = torch.profiler.record_function("loss_fwd")
+                probe.region.__enter__()
             output.last_hidden_state.register_hook(probe.hook("loss_bwd_end"))
 
     def timed(fn):
@@ -311,10 +327,20 @@ def instrumented(trainer, probe: Probe):
 
     class Steps(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            if profile is not None and state.global_step + 1 == profile[0]:
+                activities = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if probe.cuda else [])
+                probe.profiler = torch.profiler.profile(activities=activities)
+                probe.profiler.__enter__()
             probe.begin_step()
 
         def on_step_end(self, args, state, control, **kwargs):
             probe.end_step(state.global_step)
+            if probe.profiler is not None:
+                probe.profiler.__exit__(None, None, None)
+                probe.profiler.export_chrome_trace(profile[1])
+                print(profile_text(profile[1]), flush=True)
+                probe.profiler = None
 
     handle = trainer.accelerator.unwrap_model(trainer.model).base_model.register_forward_hook(backbone_done)
     head = trl_utils._ChunkedLogProbFunction  # TRL's fused LM head, looked up at each call of the patched forward
@@ -366,7 +392,11 @@ def run(kind: str, model: str, path: Path, args, cuda: bool) -> tuple[list[dict]
                                processing_class=PreTrainedTokenizerFast.from_pretrained(path), **extra)
         trainer.probe = probe = Probe(cuda)
         trainer.remove_callback(PrinterCallback)  # the log lines: the rows hold them
-        with instrumented(trainer, probe):
+        profile = None
+        if args.profile_dir is not None:
+            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+            profile = (args.profile_step, str(Path(args.profile_dir) / f"{model}_{kind}.json"))
+        with instrumented(trainer, probe, profile):
             trainer.train()
         logs = {r["step"]: r for r in trainer.state.log_history if "loss" in r}
         resolved = dict(loss_type=trainer.loss_type, lr=config.learning_rate, optim=str(config.optim),
@@ -379,6 +409,41 @@ def run(kind: str, model: str, path: Path, args, cuda: bool) -> tuple[list[dict]
         row.update(model=model, trainer=kind, **resolved,
                    **{key: float(logs.get(row["step"], {}).get(key, float("nan"))) for key in LOGGED})
     return probe.rows, probe.digests
+
+
+def profile_text(path: str) -> str:
+    """The profiled step's loss stage forward (its `loss_fwd` ranges, one a micro-batch) from its Chrome trace: per
+    range, the device's span from the first kernel launched in it to the last one's end, and the time no kernel ran
+    in that span; the host syncs in the ranges, and the kernels that took the most time."""
+    import json
+
+    events = json.load(open(path))["traceEvents"]
+    ranges = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "user_annotation"
+                    and e.get("name") == "loss_fwd")
+    where = lambda e: next((i for i, (a, b) in enumerate(ranges) if a <= e["ts"] <= b), None)  # noqa: E731
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and where(e) is not None]
+    launched = {e["args"]["correlation"]: where(e) for e in runtime if "correlation" in e.get("args", {})}
+    syncs = sum(1 for e in runtime if "Synchronize" in e["name"] or e["name"].startswith("cudaMemcpy"))
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                      and e.get("args", {}).get("correlation") in launched), key=lambda e: e["ts"])
+    span = busy = 0.0
+    by: dict = defaultdict(lambda: [0, 0.0])
+    for i in range(len(ranges)):
+        mine = [e for e in kernels if launched[e["args"]["correlation"]] == i]
+        end = float("-inf")
+        for e in mine:
+            busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
+            end = max(end, e["ts"] + e["dur"])
+            by[e["name"][:100]][0] += 1
+            by[e["name"][:100]][1] += e["dur"]
+        span += end - mine[0]["ts"] if mine else 0.0
+    host = sum(b - a for a, b in ranges)
+    lines = [f"profile {path}: the loss stage's forward, {len(ranges)} ranges: host {host / 1e3:.2f} ms; device span "
+             f"{span / 1e3:.2f} ms, kernels {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms; {len(kernels)} "
+             f"kernels, {syncs} host syncs or copies"]
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:15]
+    lines += [f"  {us / 1e3:8.3f} ms {n:5d} x {name}" for name, (n, us) in top]
+    return "\n".join(lines)
 
 
 def median(rows: list[dict], key: str) -> float:

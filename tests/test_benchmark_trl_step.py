@@ -28,8 +28,12 @@ def run_benchmark(script: str, cwd: Path, *args: str) -> str:
 
 def test_tiny_run(tmp_path):
     out = tmp_path / "trl_step.parquet"
-    stdout = run_benchmark("benchmark_trl_step.py", tmp_path, "--tiny", "--out", str(out))
+    stdout = run_benchmark("benchmark_trl_step.py", tmp_path, "--tiny", "--out", str(out), "--profile-dir",
+                           str(tmp_path / "profiles"), "--profile-step", "2")
     assert "| tiny | trl vs ours | loss |" in stdout and "| NO |" not in stdout
+    for trainer in ("trl", "ours"):  # step 2 profiled, its 2 micro-batches' loss stages marked
+        assert (tmp_path / "profiles" / f"tiny_{trainer}.json").stat().st_size > 0
+        assert f"profiles/tiny_{trainer}.json: the loss stage's forward, 2 ranges: host " in stdout
     rows = pd.read_parquet(out)
     assert len(rows) == 8 and list(rows["trainer"]) == ["trl"] * 4 + ["ours"] * 4
     assert {"device", "torch", "trl", "transformers", "git_commit", "deterministic", "tf32_matmul"} <= set(rows)
