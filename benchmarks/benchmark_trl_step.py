@@ -134,7 +134,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--replay-from", help="ours and ours_rec replay this recorded run (a folder per model under it)")
     p.add_argument("--profile-dir", help="profile one optimizer step of each trainer (torch.profiler): a Chrome trace "
                    "per model and trainer in this folder, and the loss stage's GPU time printed")
-    p.add_argument("--profile-step", type=int, default=3, help="the optimizer step --profile-dir profiles (default 3)")
+    p.add_argument("--profile-step", type=int, help="the optimizer step --profile-dir profiles (default 3)")
     p.add_argument("--out", help=f"Parquet table the rows append to (default {DEFAULTS['out']}; --tiny: "
                                  f"{TINY['out']})")
     args = p.parse_args()
@@ -160,6 +160,11 @@ def parse_args() -> argparse.Namespace:
                  "grad_accum", "num_iterations"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
+    if args.profile_step is not None and args.profile_dir is None:
+        p.error(f"--profile-step: expected with --profile-dir only, got {args.profile_step} without it")
+    args.profile_step = 3 if args.profile_step is None else args.profile_step
+    if args.profile_dir is not None and not 1 <= args.profile_step <= args.steps:
+        p.error(f"--profile-step: expected a step from 1 to --steps ({args.steps}), got {args.profile_step}")
     batch = args.prompts * args.num_generations
     if batch % args.per_device:
         p.error(f"--per-device: expected a divisor of prompts x num_generations ({batch}), got {args.per_device}")
@@ -417,7 +422,8 @@ def profile_text(path: str) -> str:
     in that span; the host syncs in the ranges, and the kernels that took the most time."""
     import json
 
-    events = json.load(open(path))["traceEvents"]
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
     ranges = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "user_annotation"
                     and e.get("name") == "loss_fwd")
     where = lambda e: next((i for i, (a, b) in enumerate(ranges) if a <= e["ts"] <= b), None)  # noqa: E731

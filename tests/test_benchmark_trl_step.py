@@ -47,6 +47,18 @@ def test_tiny_run(tmp_path):
     assert ((trl["loss"] - ours["loss"]).abs() < 1e-3).all() and (trl["loss"].abs() > 1e-2).any()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--profile-step", "2"], "--profile-step: expected with --profile-dir only, got 2 without it"),
+    (["--profile-dir", "p", "--profile-step", "5"], "--profile-step: expected a step from 1 to --steps (4), got 5"),
+    (["--profile-dir", "p", "--profile-step", "0"], "--profile-step: expected a step from 1 to --steps (4), got 0"),
+])
+def test_profile_options_are_checked_first(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_trl_step.py"), "--tiny", *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "p").exists()
+
+
 def test_recorder_benchmark_tiny(tmp_path):
     line = run_benchmark("benchmark_recorder.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "4"
                          ).strip().splitlines()[-1]
