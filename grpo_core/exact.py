@@ -53,8 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from . import canonical
-from .contract import check_temperature, inverse_temperature
-from .contract import DEFAULT_VOCAB_TILE
+from .contract import DEFAULT_VOCAB_TILE, check_temperature, inverse_temperature
 from .linear import _kernels as _kernel_set, linear_logprobs
 from .recorder import key_of
 
